@@ -1,0 +1,34 @@
+# remat: `make demo` installs everything and runs the main job; `make test` installs and runs the tests.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# Pinned CPU build of PyTorch (an unpinned torch pulls several GB of CUDA packages).
+TORCH  ?= torch==2.13.0
+# Stable CPU timings: keep freed memory in the process instead of returning it to the system.
+BENCH_ENV := MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_TOP_PAD_=0 OMP_WAIT_POLICY=PASSIVE
+
+.PHONY: install demo bench test lint clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BENCH_ENV) $(VENV)/bin/remat bench gpt --budget 40% --json bench.json
+
+bench: demo
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy src
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info bench.json

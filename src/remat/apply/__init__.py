@@ -1,0 +1,184 @@
+"""Turning a plan (or a strategy) into a checkpointed model, in place, and back."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from remat.apply.runtime import Keep, _Span, install, installed_modules, run_checkpointed, uninstall
+from remat.blocks import Block, blocks as find_blocks
+from remat.blocks import fingerprint, resolve
+from remat.errors import BlockSelectionError, PlanMismatchError, RematError
+from remat.plan.strategies import Strategy, _Named
+from remat.plan.types import Plan
+
+if TYPE_CHECKING:
+    from remat.profile.types import Profile
+
+__all__ = ["apply", "remove", "applied", "checkpoint", "CheckpointedSequential", "to_plan"]
+
+_APPLIED: weakref.WeakKeyDictionary[nn.Module, tuple[Plan, list[nn.Module]]] = weakref.WeakKeyDictionary()
+
+
+def to_plan(
+    strategy: Strategy,
+    model: nn.Module | None = None,
+    *,
+    blocks: Sequence[Block] | None = None,
+    profile: Profile | None = None,
+) -> Plan:
+    """A strategy's plan over the given blocks (from ``blocks``, the profile, or ``remat.blocks(model)``).
+
+    When a profile is given the plan carries predicted figures (see ``remat.plan``).
+    """
+    if isinstance(strategy, _Named):
+        if model is None:
+            raise RematError("apply: strategy 'named' needs the model to look its blocks up")
+        block_list: Sequence[Block] = find_blocks(model, named=strategy.groups)
+    elif blocks is not None:
+        block_list = blocks
+    elif profile is not None:
+        block_list = profile.blocks
+    elif model is not None:
+        block_list = find_blocks(model)
+    else:
+        raise RematError("plan: give the blocks, a profile or the model for a strategy")
+    if strategy.needs_profile and profile is None:
+        raise RematError(
+            f"apply: strategy {strategy.name} needs measured block sizes; pass profile=remat.profile(model, inputs, loss_fn)"
+        )
+    if profile is not None and not isinstance(strategy, _Named):
+        from remat.plan.planner import plan_from_ops
+
+        return plan_from_ops(profile, strategy.ops(block_list, profile), strategy.label)
+    fp = fingerprint(model, block_list) if model is not None else None
+    return Plan(strategy=strategy.label, blocks=tuple(block_list), ops=strategy.ops(block_list, profile), fingerprint=fp)
+
+
+def apply(
+    model: nn.Module,
+    plan: Plan | Strategy,
+    *,
+    blocks: Sequence[Block] | None = None,
+    profile: Profile | None = None,
+) -> Plan:
+    """Checkpoint ``model`` in place according to a plan or a strategy.
+
+    Blocks to recompute run under ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, nested
+    for nested plans); parameters, their identity and ``state_dict`` keys are unchanged. Applying again
+    replaces the previous plan; :func:`remove` restores the model exactly.
+
+    Args:
+        model: The model to change in place.
+        plan: A :class:`~remat.plan.types.Plan` (from ``remat.plan``) or a strategy (``remat.full()`` ...).
+        blocks: For a strategy, the blocks it chooses from (default ``remat.blocks(model)``).
+        profile: For a strategy that needs sizes (``largest``, ``budget``, ``dynamic``).
+
+    Returns:
+        The plan now in effect.
+
+    Raises:
+        PlanMismatchError: If the plan was made for different blocks than this model has.
+        RematError: If a strategy needs a profile and none is given.
+    """
+    if isinstance(plan, Strategy):
+        plan = to_plan(plan, model, blocks=blocks, profile=profile)
+    elif not isinstance(plan, Plan):
+        raise RematError(f"apply: expected a Plan or a strategy, got {type(plan).__name__}; see remat.plan or remat.full()")
+    try:
+        members = resolve(model, plan.blocks)
+    except BlockSelectionError as e:
+        raise PlanMismatchError(f"apply: the plan ({plan.strategy}) does not fit this model: {e}") from None
+    if plan.fingerprint is not None:
+        found = fingerprint(model, plan.blocks)
+        if found != plan.fingerprint:
+            raise PlanMismatchError(
+                f"apply: the plan ({plan.strategy}) was made for blocks with fingerprint {plan.fingerprint}, but this "
+                f"model's blocks {plan.blocks[0].name}..{plan.blocks[-1].name} give {found} (different classes or "
+                "parameter shapes); profile and plan this model again"
+            )
+    remove(model)
+    touched = install(model, plan.ops, members, [b.fqns for b in plan.blocks])
+    _APPLIED[model] = (plan, touched)
+    return plan
+
+
+def remove(model: nn.Module) -> Plan | None:
+    """Undo :func:`apply`: every module gets its original ``forward`` back.
+
+    Returns:
+        The plan that was removed, or ``None`` if none was applied.
+    """
+    entry = _APPLIED.pop(model, None)
+    if entry is None:
+        stray = installed_modules(model)
+        uninstall(stray)
+        return None
+    uninstall(entry[1])
+    return entry[0]
+
+
+def applied(model: nn.Module) -> Plan | None:
+    """The plan currently applied to ``model``, if any."""
+    entry = _APPLIED.get(model)
+    return entry[0] if entry else None
+
+
+@contextlib.contextmanager
+def _suspended(model: nn.Module) -> Iterator[Plan | None]:
+    """Temporarily remove an applied plan (e.g. to profile the plain model), then put it back."""
+    plan = remove(model)
+    try:
+        yield plan
+    finally:
+        if plan is not None:
+            apply(model, plan)
+
+
+def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` under a non-reentrant, RNG-preserving checkpoint.
+
+    Its activations are dropped after the forward and recomputed in the backward; BatchNorm running
+    statistics are not updated twice. The function-level form of the toolkit seed's ``checkpoint(fn, x)``.
+    """
+    span = _Span(ops=(Keep(0),), members={0: []}, multi=False)
+    if isinstance(fn, nn.Module):
+        span.members[0] = [fn]
+        span.batchnorms = [m for m in fn.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        return run_checkpointed(span.ops, span, args, kwargs)
+    wrapper = _FnModule(fn)
+    span.members[0] = [wrapper]
+    return run_checkpointed(span.ops, span, args, kwargs)
+
+
+class _FnModule(nn.Module):
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+class CheckpointedSequential(nn.Sequential):
+    """An ``nn.Sequential`` whose children are cut into ``segments`` even segments, all but the last
+    checkpointed (``torch.utils.checkpoint.checkpoint_sequential``'s rule), through remat.
+
+    Args:
+        *layers: The modules, in order.
+        segments: Number of segments, 1..len(layers).
+    """
+
+    def __init__(self, *layers: nn.Module, segments: int = 2) -> None:
+        super().__init__(*layers)
+        if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= max(1, len(layers)):
+            raise RematError(f"CheckpointedSequential: segments={segments!r} must be in 1..{len(layers)} (the number of layers)")
+        self.segments = segments
+        from remat.plan.strategies import segments as seg
+
+        apply(self, seg(segments), blocks=find_blocks(self, named=[[n] for n, _ in self.named_children()]))
+

@@ -1,0 +1,227 @@
+"""Measuring what really happens: peak memory, step time, recompute counts, gradient equality."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from remat.apply import apply, applied, remove
+from remat.apply.runtime import count_forwards
+from remat.blocks import Block, blocks as find_blocks
+from remat.blocks import resolve
+from remat.errors import BlockSelectionError, RematError
+from remat.measure.trace import (
+    MemoryTrace,
+    device_of,
+    held_bytes,
+    median,
+    preserved,
+    record_memory,
+    timed_steps,
+    train_step,
+    zero_grads,
+)
+from remat.plan.strategies import Strategy
+from remat.plan.types import Plan
+
+__all__ = ["Measurement", "GradientCheck", "measure", "check_gradients", "MemoryTrace"]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What a training step really cost (see NOTE [ What a step's peak means ] in ``remat.measure.trace``).
+
+    Attributes:
+        peak_bytes: Peak of a step above the memory held before it, bytes.
+        step_ms: Median step time (forward + backward), milliseconds.
+        step_ms_all: Every timed step, milliseconds.
+        forward_counts: How many times each block's forward ran in one step (2 = recomputed once).
+        held_bytes: Memory held before the step, bytes.
+        device: ``"cpu"`` or ``"cuda"``.
+        plan: The label of the plan applied while measuring (``"none"`` if nothing was applied).
+    """
+
+    schema_version: ClassVar[int] = 1
+
+    peak_bytes: int
+    step_ms: float
+    step_ms_all: tuple[float, ...]
+    forward_counts: dict[str, int]
+    held_bytes: int
+    device: str
+    plan: str
+
+    def to_json(self) -> str:
+        """Serialise to a JSON string (with ``schema_version``)."""
+        return json.dumps({"schema_version": self.schema_version, **asdict(self)}, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Measurement:
+        """Read a measurement written by :meth:`to_json`."""
+        data = json.loads(text)
+        if data.pop("schema_version", None) != cls.schema_version:
+            raise RematError(f"measure json: schema_version is not {cls.schema_version}; measure again with this remat")
+        data["step_ms_all"] = tuple(data["step_ms_all"])
+        return cls(**data)
+
+
+def _count_blocks(model: nn.Module, blocks: Sequence[Block] | None) -> tuple[Block, ...]:
+    plan = applied(model)
+    if plan is not None:
+        return plan.blocks
+    if blocks is not None:
+        return tuple(blocks)
+    try:
+        return find_blocks(model)
+    except BlockSelectionError:
+        return ()
+
+
+def measure(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor],
+    *,
+    steps: int = 5,
+    warmup: int = 1,
+    blocks: Sequence[Block] | None = None,
+) -> Measurement:
+    """Run real training steps on the model as it is (checkpointed or not) and measure them.
+
+    Args:
+        model: The model (with or without a remat plan applied).
+        inputs: A tensor, a tuple of positional arguments or a dict of keyword arguments.
+        loss_fn: Maps the model's output to a scalar loss.
+        steps: Timed steps, >= 1 (the median is reported).
+        warmup: Untimed steps first, >= 1.
+        blocks: Blocks whose forward runs to count (default: the applied plan's, else ``remat.blocks``).
+
+    Returns:
+        The :class:`Measurement`. The model is left as it was (gradients, buffers, RNG, mode).
+    """
+    if steps < 1 or warmup < 1:
+        raise RematError(f"measure: steps={steps} and warmup={warmup} must both be >= 1")
+    dev = device_of(model, inputs)
+    counted = _count_blocks(model, blocks)
+    firsts = [mods[0] for mods in resolve(model, counted)]
+    plan = applied(model)
+
+    def step() -> None:
+        zero_grads(model)
+        train_step(model, inputs, loss_fn)
+
+    with preserved(model, inputs):
+        for _ in range(warmup):
+            step()
+        held = held_bytes(model, inputs)
+        times = []
+        for _ in range(steps):
+            zero_grads(model)
+            times += timed_steps(lambda: train_step(model, inputs, loss_fn), dev, 1)
+        with count_forwards(firsts) as counts:
+            trace = record_memory(step, dev)
+    return Measurement(
+        peak_bytes=trace.peak_bytes,
+        step_ms=median(times),
+        step_ms_all=tuple(times),
+        forward_counts={b.name: counts[id(m)] for b, m in zip(counted, firsts)},
+        held_bytes=held,
+        device=dev.type,
+        plan=plan.strategy if plan is not None else "none",
+    )
+
+
+@dataclass(frozen=True)
+class GradientCheck:
+    """Plain against checkpointed gradients.
+
+    Attributes:
+        equal: Every gradient (parameters and inputs) and the loss match (bitwise when ``exact``).
+        exact: Whether the comparison was bitwise (``torch.equal``) or within tolerance.
+        compared: How many gradients were compared.
+        mismatched: Names of the gradients that differ.
+        max_abs_diff: Largest absolute difference over all gradients.
+    """
+
+    equal: bool
+    exact: bool
+    compared: int
+    mismatched: tuple[str, ...]
+    max_abs_diff: float
+
+
+def _grads(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    with preserved(model, inputs):
+        for p in model.parameters():
+            p.grad = None
+        leaves = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad]
+        for t in leaves:
+            t.grad = None
+        loss = train_step(model, inputs, loss_fn)
+        out: dict[str, torch.Tensor | None] = {"loss": loss.clone()}
+        out.update({f"param:{n}": None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
+        out.update({f"input:{i}": None if t.grad is None else t.grad.clone() for i, t in enumerate(leaves)})
+    return out
+
+
+def check_gradients(
+    model: nn.Module,
+    plan: Plan | Strategy,
+    inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor],
+    *,
+    exact: bool | None = None,
+    profile: Any = None,
+    atol: float = 1e-6,
+) -> GradientCheck:
+    """Compare every parameter and input gradient of the plain model with the checkpointed one.
+
+    Both runs start from the same RNG state, so dropout draws the same masks; the model is left as it
+    was (any plan applied before is put back).
+
+    Args:
+        model: The model.
+        plan: The plan or strategy to check.
+        inputs: A tensor, tuple or dict; leaf tensors that require grad get their gradient compared.
+        loss_fn: Maps the model's output to a scalar loss.
+        exact: Bitwise comparison (default: on CPU yes, on CUDA no, where kernels may differ run to run).
+        profile: For strategies that need sizes.
+        atol: Tolerance when not exact.
+
+    Returns:
+        The :class:`GradientCheck`.
+    """
+    dev = device_of(model, inputs)
+    exact = dev.type == "cpu" if exact is None else exact
+    before = remove(model)
+    try:
+        plain = _grads(model, inputs, loss_fn)
+        apply(model, plan, profile=profile)
+        try:
+            ckpt = _grads(model, inputs, loss_fn)
+        finally:
+            remove(model)
+    finally:
+        if before is not None:
+            apply(model, before)
+    mismatched, worst = [], 0.0
+    for name, a in plain.items():
+        b = ckpt[name]
+        if a is None or b is None:
+            if (a is None) != (b is None):
+                mismatched.append(name)
+            continue
+        diff = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+        worst = max(worst, diff)
+        same = torch.equal(a, b) if exact else diff <= atol
+        if not same:
+            mismatched.append(name)
+    return GradientCheck(
+        equal=not mismatched, exact=exact, compared=len(plain), mismatched=tuple(mismatched), max_abs_diff=worst
+    )

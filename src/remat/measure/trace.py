@@ -1,0 +1,261 @@
+"""Running one training step and recording every allocation and free it makes.
+
+# NOTE [ What a step's peak means ]
+remat reports the peak of a training step *above the memory held before it*: parameters, buffers,
+inputs and parameter gradients are held (remat runs a warm-up step so gradients exist and zeroes them
+in place, as a loop that keeps its gradient buffers does); what the step adds on top — activations
+saved for backward, temporaries, gradients of activations — is what checkpointing changes.
+On CPU the figure is exact: the torch profiler records every allocation and free of the step
+(``profile_memory=True``) and remat cumulates their signed sizes in time order. On CUDA the same
+events are read for the timeline and the allocator's ``max_memory_allocated`` gives the peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from bisect import bisect_right
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, record_function
+from torch.utils._pytree import tree_leaves
+
+from remat.errors import RematError
+
+__all__ = [
+    "MemoryTrace",
+    "call_model",
+    "train_step",
+    "preserved",
+    "record_memory",
+    "mark",
+    "held_bytes",
+    "device_of",
+    "timed_steps",
+]
+
+MARK_PREFIX = "remat::"
+
+
+def device_of(model: nn.Module, inputs: Any) -> torch.device:
+    """The device the step runs on: the first parameter's, else the first input tensor's."""
+    for p in model.parameters():
+        return p.device
+    for leaf in tree_leaves(inputs):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return torch.device("cpu")
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """Call ``model`` on ``inputs``: a tensor (``model(x)``), a tuple/list (``model(*x)``) or a dict (``model(**x)``)."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def train_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+    """One forward and backward pass; returns the (detached) loss.
+
+    Raises:
+        RematError: If ``loss_fn`` does not return a scalar tensor that requires grad.
+    """
+    out = call_model(model, inputs)
+    loss = loss_fn(out)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise RematError(
+            f"step: loss_fn returned {what}{'' if not isinstance(loss, torch.Tensor) or loss.requires_grad else ' without grad'}; "
+            "it must map the model's output to a scalar loss that depends on the parameters"
+        )
+    loss.backward()
+    return loss.detach()
+
+
+def _zero_grads(model: nn.Module) -> None:
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.detach_()
+            p.grad.zero_()
+
+
+@contextlib.contextmanager
+def preserved(model: nn.Module, inputs: Any = None) -> Iterator[None]:
+    """Run steps inside, then put the model back exactly: gradients, buffers, RNG state, train/eval mode.
+
+    Parameters are not touched by a step (no optimizer runs); input tensors' ``.grad`` are restored too.
+    """
+    params = list(model.parameters())
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    in_tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    in_grads = [None if t.grad is None else t.grad.detach().clone() for t in in_tensors]
+    modes = [(m, m.training) for m in model.modules()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.grad = g
+            for b, copy in buffers:
+                b.copy_(copy)
+            for t, g in zip(in_tensors, in_grads):
+                if t.is_leaf:
+                    t.grad = g
+        for m, training in modes:
+            m.training = training
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def held_bytes(model: nn.Module, inputs: Any) -> int:
+    """Memory held before a step: on CUDA the allocator's figure, on CPU the unique storages of
+    parameters, gradients, buffers and inputs."""
+    dev = device_of(model, inputs)
+    if dev.type == "cuda":
+        return int(torch.cuda.memory_allocated(dev))
+    seen: dict[int, int] = {}
+    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
+    tensors += [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    for t in tensors:
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def mark(name: str) -> None:
+    """Leave a zero-length ``remat::<name>`` marker in the running profiler's trace."""
+    with record_function(MARK_PREFIX + name):
+        pass
+
+
+@dataclass(frozen=True)
+class MemoryTrace:
+    """Memory over one step: the level after every allocation or free, and the markers.
+
+    Attributes:
+        t_ns: Event times, nanoseconds from the start of the step.
+        level_bytes: Bytes allocated above the level before the step, after each event.
+        marks: ``(name, t_ns)`` of each marker, in time order.
+        peak_bytes: The highest level, bytes (0 if the step never rose above its start).
+        duration_ns: Length of the step, nanoseconds.
+        device: ``"cpu"`` or ``"cuda"``.
+    """
+
+    t_ns: tuple[int, ...]
+    level_bytes: tuple[int, ...]
+    marks: tuple[tuple[str, int], ...]
+    peak_bytes: int
+    duration_ns: int
+    device: str
+
+    def level_at(self, t: int) -> int:
+        """Level at time ``t`` (after every event at or before it), bytes."""
+        i = bisect_right(self.t_ns, t)
+        return self.level_bytes[i - 1] if i else 0
+
+    def peak_between(self, t0: int, t1: int) -> int:
+        """Highest level reached in ``[t0, t1]`` (the level at ``t0`` included), bytes."""
+        lo, hi = bisect_right(self.t_ns, t0), bisect_right(self.t_ns, t1)
+        return max([self.level_at(t0), *self.level_bytes[lo:hi]])
+
+    def mark_times(self) -> dict[str, list[int]]:
+        """Times of every marker by name (several if a marker fired more than once)."""
+        out: dict[str, list[int]] = {}
+        for name, t in self.marks:
+            out.setdefault(name, []).append(t)
+        return out
+
+
+def record_memory(step: Callable[[], Any], device: torch.device) -> MemoryTrace:
+    """Run ``step`` once under the torch profiler and return its allocation trace.
+
+    See NOTE [ What a step's peak means ].
+    """
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start_alloc = torch.cuda.memory_allocated(device)
+    with torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=False) as prof:
+        mark("step_start")
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        mark("step_end")
+    tree = prof.profiler.kineto_results.experimental_event_tree()  # type: ignore[union-attr]
+    allocs: list[tuple[int, int]] = []
+    marks: list[tuple[str, int]] = []
+    from torch._C._profiler import _EventType
+
+    stack = list(tree)
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            ef = node.extra_fields
+            if ef.device.type == device.type:
+                allocs.append((node.start_time_ns, int(ef.alloc_size)))
+        elif node.name.startswith(MARK_PREFIX):
+            marks.append((node.name[len(MARK_PREFIX) :], node.start_time_ns))
+        stack.extend(node.children)
+    marks.sort(key=lambda m: m[1])
+    times = dict(marks)
+    if "step_start" not in times or "step_end" not in times:
+        raise RematError("measure: the profiler lost remat's step markers; run with no other profiler active")
+    t0 = times["step_start"]
+    allocs.sort()
+    level, peak = 0, 0
+    t_ns, levels = [], []
+    for t, delta in allocs:
+        level += delta
+        peak = max(peak, level)
+        t_ns.append(t - t0)
+        levels.append(level)
+    if device.type == "cuda":
+        peak = int(torch.cuda.max_memory_allocated(device)) - int(start_alloc)
+    return MemoryTrace(
+        t_ns=tuple(t_ns),
+        level_bytes=tuple(levels),
+        marks=tuple((n, t - t0) for n, t in marks if n not in ("step_start", "step_end")),
+        peak_bytes=peak,
+        duration_ns=times["step_end"] - t0,
+        device=device.type,
+    )
+
+
+def timed_steps(step: Callable[[], Any], device: torch.device, repeats: int) -> list[float]:
+    """Wall time of ``repeats`` calls of ``step``, milliseconds each (CUDA: synchronised)."""
+    out = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+def median(values: list[float]) -> float:
+    """Median of a non-empty list (0.0 for an empty one)."""
+    return statistics.median(values) if values else 0.0
+
+
+def zero_grads(model: nn.Module) -> None:
+    """Zero existing parameter gradients in place (kept allocated; see NOTE [ What a step's peak means ])."""
+    _zero_grads(model)

@@ -1,0 +1,26 @@
+"""Strategies and solvers: each reads a Profile and returns a Plan."""
+
+from remat.plan.chain import Chain, Keep, Op, Recompute, RecomputeSub
+from remat.plan.planner import SOLVERS, Frontier, FrontierPoint, frontier, plan
+from remat.plan.solver import Simulation, simulate
+from remat.plan.strategies import STRATEGIES, Strategy, parse_strategy
+from remat.plan.types import Plan
+
+__all__ = [
+    "Chain",
+    "Keep",
+    "Op",
+    "Recompute",
+    "RecomputeSub",
+    "SOLVERS",
+    "Frontier",
+    "FrontierPoint",
+    "frontier",
+    "plan",
+    "Simulation",
+    "simulate",
+    "STRATEGIES",
+    "Strategy",
+    "parse_strategy",
+    "Plan",
+]

@@ -1,0 +1,192 @@
+"""``remat.plan`` and ``remat.frontier``: from a measured profile to the fastest plan that fits a budget."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from remat.errors import BudgetInfeasibleError, RematError
+from remat.plan.chain import Chain, Op, ops_repr
+from remat.plan.solver import min_peak, min_peak_plan, simulate, solve
+from remat.plan.strategies import STRATEGIES, Strategy, bench_strategies
+from remat.plan.types import Plan
+from remat.units import Budget, format_bytes, parse_budget
+
+if TYPE_CHECKING:
+    from remat.profile.types import Profile
+
+__all__ = ["SOLVERS", "plan", "plan_from_ops", "frontier", "Frontier", "FrontierPoint"]
+
+log = logging.getLogger(__name__)
+
+
+def _nested(profile: Profile) -> bool:
+    # Segments of several blocks need the blocks to form a chain (NOTE [ Spans ] in remat.apply.runtime).
+    return profile.is_chain
+
+
+def _solve_optimal(profile: Profile, chain: Chain, headroom: int) -> tuple[Op, ...] | None:
+    return solve(chain, headroom, nested=_nested(profile))
+
+
+def _solve_knapsack(profile: Profile, chain: Chain, headroom: int) -> tuple[Op, ...] | None:
+    return solve(chain, headroom, nested=False)
+
+
+SOLVERS: dict[str, Callable[[Profile, Chain, int], tuple[Op, ...] | None]] = {
+    "optimal": _solve_optimal,
+    "knapsack": _solve_knapsack,
+}
+
+
+def plan_from_ops(profile: Profile, ops: tuple[Op, ...], label: str, budget_bytes: int | None = None) -> Plan:
+    """A plan for ``ops`` on ``profile``'s blocks, with its simulated peak and recompute time."""
+    sim = simulate(profile.chain(), ops, profile.sub_costs())
+    return Plan(
+        strategy=label,
+        blocks=profile.blocks,
+        ops=ops,
+        fingerprint=profile.fingerprint,
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=sim.peak_bytes,
+        predicted_extra_ms=sim.extra_ms,
+        baseline_peak_bytes=profile.peak_bytes,
+        baseline_step_ms=profile.step_ms,
+    )
+
+
+def plan(
+    profile: Profile,
+    budget: int | str | Budget | None = None,
+    *,
+    solver: str = "optimal",
+    strategy: Strategy | None = None,
+) -> Plan:
+    """The fastest plan whose predicted peak fits ``budget`` (or a strategy's plan, with predictions).
+
+    Args:
+        profile: From ``remat.profile``.
+        budget: Bytes (an int or ``"1.5GiB"``) or a share of the unplanned peak (``"40%"``): the same
+            quantity ``remat.measure`` reports, the peak of a step above the memory held before it.
+        solver: ``"optimal"`` (exact chain DP with nested recomputation) or ``"knapsack"`` (the best
+            single level of individually checkpointed blocks).
+        strategy: Instead of a solver, a rule-of-thumb strategy (``remat.every_nth(2)`` ...), turned into a
+            plan on this profile so it can be compared on predicted figures.
+
+    Returns:
+        The :class:`Plan`, with predicted peak and recompute time.
+
+    Raises:
+        BudgetInfeasibleError: If no plan fits; the message states the smallest feasible peak.
+        RematError: For an unknown solver or a missing budget.
+    """
+    if strategy is not None:
+        if budget is not None:
+            raise RematError("plan: give a budget (for a solver) or a strategy, not both")
+        return plan_from_ops(profile, strategy.ops(profile.blocks, profile), strategy.label)
+    if solver not in SOLVERS:
+        raise RematError(
+            f"plan: unknown solver {solver!r}; valid solvers are {', '.join(SOLVERS)} "
+            f"(or pass strategy=... for one of {', '.join(STRATEGIES)})"
+        )
+    if budget is None:
+        raise RematError("plan: a budget is needed, in bytes ('1.5GiB') or as a share of the unplanned peak ('40%')")
+    budget_bytes = parse_budget(budget).resolve(profile.peak_bytes)
+    chain = profile.chain()
+    nested = solver == "optimal" and _nested(profile)
+    headroom = budget_bytes - chain.base_bytes
+    fixed = max(chain.pre_peak_bytes, chain.base_bytes + chain.tail_peak_bytes)
+    ops = SOLVERS[solver](profile, chain, headroom) if fixed <= budget_bytes and headroom >= 0 else None
+    if ops is None:
+        smallest = min_peak(chain, nested=nested)
+        cheapest = ops_repr(min_peak_plan(chain, nested=nested))
+        raise BudgetInfeasibleError(
+            f"plan: budget {format_bytes(budget_bytes)} is below the smallest feasible peak {format_bytes(smallest)} "
+            f"({solver}: {cheapest}); raise the budget or lower the batch size",
+            budget_bytes=budget_bytes,
+            min_peak_bytes=smallest,
+        )
+    label = solver if nested or solver == "knapsack" else f"{solver} (single-level: blocks are not a chain)"
+    return plan_from_ops(profile, ops, label, budget_bytes)
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One point of the optimal trade-off: a budget and the best plan's predicted cost.
+
+    Attributes:
+        budget_bytes: The budget solved for, bytes.
+        peak_bytes: Predicted peak of the optimal plan, bytes.
+        extra_ms: Predicted recompute time per step, milliseconds.
+        ops: The plan in compact form.
+    """
+
+    budget_bytes: int
+    peak_bytes: int
+    extra_ms: float
+    ops: str
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """The optimal (peak, extra time) points across budgets, and where each seed strategy falls.
+
+    Attributes:
+        points: Optimal plans from the smallest feasible peak to keeping everything, by rising peak.
+        strategies: ``(label, predicted peak bytes, predicted extra ms)`` of every strategy.
+        baseline_peak_bytes: Measured unplanned peak, bytes.
+        baseline_step_ms: Measured plain step time, milliseconds.
+    """
+
+    schema_version: ClassVar[int] = 1
+
+    points: tuple[FrontierPoint, ...]
+    strategies: tuple[tuple[str, int, float], ...]
+    baseline_peak_bytes: int
+    baseline_step_ms: float
+
+    def to_json(self) -> str:
+        """Serialise to a JSON string."""
+        return json.dumps({"schema_version": self.schema_version, **asdict(self)}, indent=2)
+
+
+def frontier(profile: Profile, *, points: int = 16, solver: str = "optimal") -> Frontier:
+    """The optimal trade-off between peak memory and recompute time on ``profile``.
+
+    Args:
+        profile: From ``remat.profile``.
+        points: How many budgets to solve for, evenly spaced from the smallest feasible peak to the
+            keep-everything peak, >= 2.
+        solver: ``"optimal"`` or ``"knapsack"``.
+
+    Returns:
+        The :class:`Frontier` (Pareto points only) with every seed strategy's predicted figures.
+    """
+    if points < 2:
+        raise RematError(f"frontier: points={points} must be >= 2")
+    chain = profile.chain()
+    nested = solver == "optimal" and _nested(profile)
+    low = min_peak(chain, nested=nested)
+    high = simulate(chain, tuple(plan(profile, strategy=STRATEGIES["none"]()).ops)).peak_bytes
+    found: list[FrontierPoint] = []
+    for i in range(points):
+        b = low + (high - low) * i // (points - 1)
+        try:
+            p = plan(profile, max(b, low), solver=solver)
+        except BudgetInfeasibleError:
+            continue  # discretisation can make the very lowest budget unreachable
+        assert p.predicted_peak_bytes is not None and p.predicted_extra_ms is not None
+        found.append(FrontierPoint(b, p.predicted_peak_bytes, p.predicted_extra_ms, p.describe()))
+    pareto: list[FrontierPoint] = []
+    for pt in sorted(found, key=lambda q: (q.peak_bytes, q.extra_ms)):
+        if not pareto or pt.extra_ms < pareto[-1].extra_ms - 1e-9:
+            pareto.append(pt)
+    strategies = []
+    for s in bench_strategies(profile.blocks, profile):
+        sp = plan(profile, strategy=s)
+        assert sp.predicted_peak_bytes is not None and sp.predicted_extra_ms is not None
+        strategies.append((s.label, sp.predicted_peak_bytes, sp.predicted_extra_ms))
+    return Frontier(tuple(pareto), tuple(strategies), profile.peak_bytes, profile.step_ms)

@@ -1,0 +1,561 @@
+"""Simulating a plan on a chain, and the solvers that choose a plan under a memory budget.
+
+:func:`simulate` applies the rules of NOTE [ Chain cost model ] (``remat/plan/chain.py``) to one
+plan; :func:`solve` finds the fastest plan within a memory headroom (NOTE [ Rotor dynamic program ]);
+:func:`min_peak` / :func:`min_peak_plan` find the lowest peak any plan reaches; :func:`all_plans`
+enumerates the plan space of the solver, for brute-force tests.
+
+# NOTE [ Rotor dynamic program ]
+After "Optimal checkpointing for heterogeneous chains" (Beaumont et al., rotor). Write ``f, b`` for
+the times, ``S, fp, bp, x`` for the sizes of NOTE [ Chain cost model ], index ``n`` for the head.
+``opt(s, t, m)`` (``0 <= s <= t <= n``) is the least time to run the forward of blocks ``s..t``
+then their backward, with ``m`` bytes of headroom above the level at the start of block ``s``
+(``t == n`` includes the head, which is always kept):
+
+  s == t          f[s] + b[s]                                   if fp[s] <= m and S[s] + bp[s] <= m
+  keep-first      f[s] + b[s] + opt(s+1, t, m - S[s])           if fp[s] <= m and S[s] + bp[s] <= m
+  checkpoint k    sum(f[s..k-1]) + opt(k, t, m - x[k]) + opt(s, k-1, m - x[k])
+                  (s < k <= t)                                   if nosave(s, k) <= m
+  with nosave(s, k) = max over q in s..k-1 of fp[q] + (x[q] if q > s else 0).
+
+Keep-first yields ``Keep(s)`` and the plan of ``s+1..t``; checkpoint ``k`` yields
+``Recompute(s, k, plan(s, k-1))`` then the plan of ``k..t``. The inner plan ``plan(s, k-1)`` ends
+with a ``Keep`` by construction (every recursion bottoms out in the ``s == t`` case). The
+"knapsack" variant (``nested=False``) only allows ``k = s + 1``: single blocks checkpointed on their
+own, no nesting. Each term is exactly what :func:`simulate` charges, so the value of the program is
+the simulated time of the plan it returns, and its peak is within ``m``.
+
+Memory is counted in whole units of ``u = ceil(headroom / slots)`` bytes so that the table is small.
+The rounding is on the safe side, so a plan that fits in units fits in bytes: the headroom is
+rounded *down*, and every size that is subtracted or compared is rounded *up* (toward +inf, negative
+sizes included), with one refinement. Rounding each ``S[s]`` up on its own would lose up to a unit
+per kept block, most of the headroom on a long chain; instead ``m`` units at block ``s`` stand for
+at least ``m * u + slack[s]`` bytes, where ``slack[s] = u * ceil(Q[s] / u) - Q[s]`` and ``Q[s] =
+S[0] + ... + S[s-1]``. Keeping ``s`` then costs ``ceil(Q[s+1] / u) - ceil(Q[s] / u)`` units, exactly
+(a run of kept blocks telescopes), a comparison with ``p`` bytes at block ``s`` needs ``m >=
+ceil((p - slack[s]) / u)``, and a checkpoint ``s -> k`` costs ``ceil((x[k] + slack[k]) / u)`` units
+for the rest (``slack[s] >= 0`` dropped) and ``ceil(x[k] / u)`` for the inner plan, which starts at
+``s`` again. So only checkpoints lose headroom to rounding, less than two units each. Headroom that
+negative sizes push beyond the table is clamped to its top (``opt`` does not increase with ``m``, so
+this is safe too). With 1-byte units (small headrooms) the program is exact.
+
+The table is filled for ``t = 0..n`` and, within ``t``, for ``s = t..0``, one numpy row over ``m``
+at a time. Two shifted copies of every finished row are kept in one array ``W``, laid out so that
+the candidates ``k = s+1..t`` of ``(s, t)`` are two contiguous ``(t - s, M)`` slices:
+  ``W[t, k]`` (``k <= t``) = ``opt(k, t, m - x[k])``;
+  ``W[s, k]`` (``k > s``)  = ``sum(f[s..k-1]) + opt(s, k-1, m - x[k])``, or inf where
+                             ``m < nosave(s, k)``
+(sizes in units as above).
+The plan is rebuilt by re-evaluating the candidates at the chosen ``(s, t, m)`` with the same
+floating-point operations, preferring keep, then the smallest ``k``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from remat.errors import RematError
+from remat.plan.chain import Chain, Keep, Op, Recompute, RecomputeSub
+
+__all__ = ["Simulation", "SubCosts", "simulate", "solve", "min_peak", "min_peak_plan", "all_plans"]
+
+SubCosts = Mapping[tuple[int, tuple[str, ...]], tuple[int, float]]
+"""``(block index, fqns) -> (bytes saved relative to Keep, recompute milliseconds)`` for ``RecomputeSub``."""
+
+# Headrooms up to this many bytes are solved in 1-byte units, i.e. exactly.
+_EXACT_MAX_BYTES = 4096
+# Automatic memory resolution: 1000 units while the work (about n^3 / 6 * slots element operations)
+# stays under the target, about a second for 200 blocks at 500 units on a 2-core machine; never
+# fewer than 250 units, whatever the time.
+_SLOTS_MAX = 1000
+_SLOTS_MIN = 250
+_WORK_TARGET = 200**3 // 6 * 500
+# Keep the two (n+1) x (n+1) x slots float64 tables of the solver below about this size.
+_TABLE_MAX_BYTES = 1 << 30
+
+_INF = math.inf
+_FloatArray = npt.NDArray[np.float64]
+
+
+# ----------------------------------------------------------------------------------------------
+# Simulation
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What a plan costs on a chain, as predicted by NOTE [ Chain cost model ].
+
+    Attributes:
+        peak_bytes: Peak memory of the step above the memory held before it, bytes:
+            ``max(pre_peak_bytes, base_bytes, peak during the chain, base_bytes + tail_peak_bytes)``.
+        total_ms: Every forward (recomputations included) and every backward, milliseconds.
+        extra_ms: The recomputation alone: ``total_ms`` minus the forward and backward time of every
+            block and the head run once, milliseconds.
+    """
+
+    peak_bytes: int
+    total_ms: float
+    extra_ms: float
+
+
+def _validate(ops: tuple[Op, ...], start: int, stop: int, where: str) -> None:
+    """Raise unless ``ops`` covers blocks ``start..stop-1`` once each, in order."""
+    expected = start
+    for pos, op in enumerate(ops):
+        if expected >= stop and isinstance(op, (Keep, RecomputeSub, Recompute)):
+            raise RematError(
+                f"simulate: {where} operation {op!r} at position {pos} is past block {stop - 1}, the last one it "
+                f"may cover; a plan must cover blocks {start}..{stop - 1} once each, in order."
+            )
+        if isinstance(op, (Keep, RecomputeSub)):
+            if op.index != expected:
+                raise RematError(
+                    f"simulate: {where} operation {op!r} at position {pos} is for block {op.index}, expected block "
+                    f"{expected}; a plan must cover blocks {start}..{stop - 1} once each, in order."
+                )
+            expected += 1
+        elif isinstance(op, Recompute):
+            if op.start != expected or not op.start < op.stop <= stop:
+                raise RematError(
+                    f"simulate: {where} operation {op!r} at position {pos} spans blocks {op.start}..{op.stop - 1}, "
+                    f"expected a non-empty span starting at block {expected} and ending by block {stop - 1}; "
+                    f"a plan must cover blocks {start}..{stop - 1} once each, in order."
+                )
+            if not op.inner or not isinstance(op.inner[-1], Keep):
+                last = repr(op.inner[-1]) if op.inner else "nothing"
+                raise RematError(
+                    f"simulate: {where} operation {op!r} at position {pos} ends its inner plan with {last}; the "
+                    f"inner plan of a recompute must end with Keep({op.stop - 1}) so the segment's output is kept."
+                )
+            _validate(op.inner, op.start, op.stop, f"inner plan of {op!r}:")
+            expected = op.stop
+        else:
+            raise RematError(
+                f"simulate: {where} operation {op!r} at position {pos} is a {type(op).__name__}; "
+                "expected Keep, Recompute or RecomputeSub."
+            )
+    if expected != stop:
+        raise RematError(
+            f"simulate: {where} operations cover blocks {start}..{expected - 1} but must cover {start}..{stop - 1}; "
+            "add the missing blocks to the plan."
+        )
+
+
+class _Simulator:
+    """The level/peak bookkeeping of NOTE [ Chain cost model ] for one plan."""
+
+    def __init__(self, chain: Chain, sub_costs: SubCosts | None) -> None:
+        self.chain = chain
+        self.sub_costs = sub_costs
+        self.level = chain.base_bytes
+        self.peak = chain.base_bytes
+        self.extra_ms = 0.0
+
+    def _block_sizes(self, op: Keep | RecomputeSub) -> tuple[int, int, int]:
+        """(S, fp, bp) of a normally run block; RecomputeSub lowers them by the saved bytes."""
+        c, k = self.chain, op.index
+        keep, fwd_peak, bwd_peak = c.keep_bytes[k], c.fwd_peak_bytes[k], c.bwd_peak_bytes[k]
+        if isinstance(op, RecomputeSub):
+            saved = self._sub_cost(op)[0]
+            keep -= saved
+            fwd_peak = max(fwd_peak - saved, keep)
+            bwd_peak = max(bwd_peak - saved, keep)
+        return keep, fwd_peak, bwd_peak
+
+    def _sub_cost(self, op: RecomputeSub) -> tuple[int, float]:
+        key = (op.index, tuple(op.fqns))
+        if self.sub_costs is None or key not in self.sub_costs:
+            raise RematError(
+                f"simulate: no costs for {op!r}; pass sub_costs={{{key!r}: (saved_bytes, recompute_ms)}} "
+                "(measured by the profile) to simulate RecomputeSub."
+            )
+        return self.sub_costs[key]
+
+    def _rise(self, nbytes: int) -> None:
+        self.peak = max(self.peak, self.level + nbytes)
+
+    def forward(self, op: Op, replay: bool) -> None:
+        """Run ``op``'s forward; ``replay`` marks a recomputation (its time is extra)."""
+        c = self.chain
+        if isinstance(op, Recompute):
+            for q in range(op.start, op.stop):
+                self._rise(c.fwd_peak_bytes[q] + (c.x_bytes[q] if q > op.start else 0))
+                if replay:
+                    self.extra_ms += float(c.fwd_ms[q])
+            self.level += c.x_bytes[op.stop]
+            return
+        keep, fwd_peak, _ = self._block_sizes(op)
+        self._rise(fwd_peak)
+        self.level += keep
+        if replay:
+            self.extra_ms += float(c.fwd_ms[op.index])
+
+    def backward(self, op: Op) -> None:
+        """Run ``op``'s backward (and, for a recompute, the replay of its inner plan)."""
+        if isinstance(op, Recompute):
+            for inner_op in op.inner:
+                self.forward(inner_op, replay=True)
+            for inner_op in reversed(op.inner):
+                self.backward(inner_op)
+            self.level -= self.chain.x_bytes[op.stop]
+            return
+        keep, _, bwd_peak = self._block_sizes(op)
+        self._rise(bwd_peak)
+        self.level -= keep
+        if isinstance(op, RecomputeSub):
+            self.extra_ms += float(self._sub_cost(op)[1])
+
+    def head(self) -> None:
+        c, n = self.chain, self.chain.n
+        self._rise(c.fwd_peak_bytes[n])
+        self.level += c.keep_bytes[n]
+        self._rise(c.bwd_peak_bytes[n])
+        self.level -= c.keep_bytes[n]
+
+
+def simulate(chain: Chain, ops: tuple[Op, ...], sub_costs: SubCosts | None = None) -> Simulation:
+    """Predict the peak memory and the time of a plan (NOTE [ Chain cost model ]).
+
+    Args:
+        chain: The measured chain of ``n`` blocks and the head.
+        ops: The plan: operations covering blocks ``0..n-1`` once each, in order (the head is implicit).
+        sub_costs: For each ``RecomputeSub(k, fqns)`` in the plan, ``(k, fqns) -> (saved_bytes,
+            recompute_ms)``: the bytes (bytes) it saves relative to ``Keep(k)`` and the time
+            (milliseconds) of recomputing the sub-modules. It is simulated as ``Keep(k)`` with
+            ``keep_bytes`` lowered by ``saved_bytes`` (the forward and backward peaks too, but not
+            below the lowered ``keep_bytes``) and ``recompute_ms`` of extra time.
+
+    Returns:
+        The predicted peak (bytes) and times (milliseconds).
+
+    Raises:
+        RematError: If the operations do not cover the blocks once each in order, an inner plan does
+            not end with a ``Keep``, or ``sub_costs`` lacks a ``RecomputeSub`` of the plan.
+    """
+    _validate(tuple(ops), 0, chain.n, "plan")
+    sim = _Simulator(chain, sub_costs)
+    for op in ops:
+        sim.forward(op, replay=False)
+    sim.head()
+    for op in reversed(ops):
+        sim.backward(op)
+    peak = max(sim.peak, chain.pre_peak_bytes, chain.base_bytes + chain.tail_peak_bytes)
+    once_ms = float(sum(chain.fwd_ms)) + float(sum(chain.bwd_ms))
+    return Simulation(peak_bytes=int(peak), total_ms=once_ms + sim.extra_ms, extra_ms=sim.extra_ms)
+
+
+# ----------------------------------------------------------------------------------------------
+# The time-optimal solver (NOTE [ Rotor dynamic program ])
+# ----------------------------------------------------------------------------------------------
+
+
+def _ceil_div(num: int, den: int) -> int:
+    """``ceil(num / den)`` for integers of any sign (``den > 0``)."""
+    return -(-num // den)
+
+
+def _auto_slots(n: int) -> int:
+    """Memory units for a chain of ``n`` blocks when the caller does not choose."""
+    slots = max(_SLOTS_MIN, min(_SLOTS_MAX, _WORK_TARGET // max(1, n**3 // 6)))
+    # Two float64 tables of (n + 1) x (n + 1) x (slots + 1) entries.
+    fit = _TABLE_MAX_BYTES // (16 * (n + 1) ** 2) - 1
+    return max(8, min(slots, fit))
+
+
+@dataclass(frozen=True)
+class _Table:
+    """The filled dynamic program and the sizes, in units, it was filled with."""
+
+    n: int
+    size: int  # entries over m: 0..size-1 units
+    opt: _FloatArray  # opt[s, t, m]
+    shifted: _FloatArray  # W of NOTE [ Rotor dynamic program ]
+    fb_ms: list[float]  # f[s] + b[s]
+    keep_units: list[int]  # keeping s: m -> m - keep_units[s]
+    rest_units: list[int]  # checkpoint s..k-1, then run k..t: m -> m - rest_units[k]
+    inner_units: list[int]  # checkpoint s..k-1, then its inner plan: m -> m - inner_units[k]
+    keep_ok_units: list[int]  # keeping s needs m >= keep_ok_units[s]
+    nested: bool
+
+    def shift_index(self, m: int, units: int) -> int:
+        """Index of ``opt(·, ·, m - units)`` in the table (clamped at the top), or -1 if below 0."""
+        j = m - units
+        return -1 if j < 0 else min(j, self.size - 1)
+
+    def keep_value(self, s: int, t: int, m: int) -> float:
+        """The keep-first candidate of ``(s, t)`` at ``m``, computed as in the fill."""
+        j = self.shift_index(m, self.keep_units[s])
+        if m < self.keep_ok_units[s] or j < 0:
+            return _INF
+        return float(self.fb_ms[s] + self.opt[s + 1, t, j])
+
+    def candidates(self, s: int, t: int) -> range:
+        return range(s + 1, t + 1) if self.nested else range(s + 1, s + 2)
+
+
+def _shift(row: _FloatArray, units: int) -> _FloatArray:
+    """``out[m] = row[m - units]``: inf below 0, clamped to the top entry above the table."""
+    size = row.shape[0]
+    out = np.empty_like(row)
+    if units >= 0:
+        d = min(units, size)
+        out[:d] = _INF
+        out[d:] = row[: size - d]
+    else:
+        d = min(-units, size)
+        out[: size - d] = row[d:]
+        out[size - d :] = row[size - 1]
+    return out
+
+
+def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool) -> _Table:
+    n = chain.n
+    f, b = chain.fwd_ms, chain.bwd_ms
+    u = unit_bytes
+    # Units of m at block s stand for at least m * u + slack[s] bytes (NOTE [ Rotor dynamic program ]).
+    level_units, slack, level = [], [], 0
+    for s in range(n + 1):
+        level_units.append(_ceil_div(level, u))
+        slack.append(level_units[-1] * u - level)
+        level += int(chain.keep_bytes[s])
+    keep_units = [level_units[s + 1] - level_units[s] for s in range(n)] + [_ceil_div(int(chain.keep_bytes[n]), u)]
+    rest_units = [_ceil_div(int(chain.x_bytes[k]) + slack[k], u) for k in range(n + 1)]
+    inner_units = [_ceil_div(int(chain.x_bytes[k]), u) for k in range(n + 1)]
+    keep_ok_units = [
+        _ceil_div(
+            max(int(chain.fwd_peak_bytes[s]), int(chain.keep_bytes[s]) + int(chain.bwd_peak_bytes[s])) - slack[s], u
+        )
+        for s in range(n + 1)
+    ]
+    # Negative sizes give headroom back; widen the table by as much so that is not lost to clamping.
+    gain = sum(max(0, -v) for v in keep_units + rest_units + inner_units)
+    size = top_units + 1 + min(gain, top_units + 1)
+    fb_ms = [float(f[s]) + float(b[s]) for s in range(n + 1)]
+
+    opt = np.full((n + 1, n + 1, size), _INF)
+    shifted = np.full((n + 1, n + 1, size), _INF)
+    scratch = np.empty((n + 1, size))
+    for t in range(n + 1):
+        for s in range(t, -1, -1):
+            row = opt[s, t]
+            if s == t:
+                row[keep_ok_units[s] if keep_ok_units[s] > 0 else 0 :] = fb_ms[s]
+            else:
+                keep = _shift(opt[s + 1, t], keep_units[s]) + fb_ms[s]
+                keep[: max(0, min(keep_ok_units[s], size))] = _INF
+                hi = t + 1 if nested else s + 2
+                buf = scratch[: hi - s - 1]
+                np.add(shifted[t, s + 1 : hi], shifted[s, s + 1 : hi], out=buf)
+                np.minimum(keep, buf.min(axis=0), out=row)
+            # W[t, s] = opt(s, t, m - x[s]), used by (s', t) with s' < s as "the rest after checkpoint s".
+            if s > 0:
+                shifted[t, s] = _shift(row, rest_units[s])
+        if t < n:
+            # W[s, t+1] = sum(f[s..t]) + opt(s, t, m - x[t+1]) where the no-save forward of s..t fits,
+            # used by (s, t') with t' > t as "checkpoint s..t, recompute it under plan(s, t)".
+            fsum = 0.0
+            later = -_INF  # max of fp[q] + x[q] over q in s+1..t: blocks that hold their input
+            for s in range(t, -1, -1):
+                fsum = float(f[s]) + fsum
+                if s < t:
+                    later = max(later, int(chain.fwd_peak_bytes[s + 1]) + int(chain.x_bytes[s + 1]))
+                nosave = int(max(int(chain.fwd_peak_bytes[s]), later))
+                w = _shift(opt[s, t], inner_units[t + 1]) + fsum
+                w[: max(0, min(_ceil_div(nosave - slack[s], u), size))] = _INF
+                shifted[s, t + 1] = w
+    return _Table(n, size, opt, shifted, fb_ms, keep_units, rest_units, inner_units, keep_ok_units, nested)
+
+
+def _rebuild(table: _Table, s: int, t: int, m: int) -> tuple[Op, ...]:
+    """The plan realising ``opt(s, t, m)`` (finite), by re-evaluating the candidates in order."""
+    ops: list[Op] = []
+    while s < t:
+        value = table.opt[s, t, m]
+        if table.keep_value(s, t, m) == value:
+            ops.append(Keep(s))
+            m = table.shift_index(m, table.keep_units[s])
+            s += 1
+            continue
+        for k in table.candidates(s, t):
+            if table.shifted[t, k, m] + table.shifted[s, k, m] == value:
+                inner_m = table.shift_index(m, table.inner_units[k])
+                ops.append(Recompute(s, k, _rebuild(table, s, k - 1, inner_m)))
+                m, s = table.shift_index(m, table.rest_units[k]), k
+                break
+        else:  # pragma: no cover - the fill and this loop evaluate the same expressions
+            raise RematError(f"solve: internal error, no candidate reproduces opt({s}, {t}, {m}) = {value}")
+    if t < table.n:
+        ops.append(Keep(t))
+    return tuple(ops)
+
+
+def solve(chain: Chain, headroom_bytes: int, *, nested: bool = True, slots: int | None = None) -> tuple[Op, ...] | None:
+    """The fastest plan whose chain peak stays within ``base_bytes + headroom_bytes``.
+
+    A rotor-style dynamic program (NOTE [ Rotor dynamic program ]). The caller checks
+    ``pre_peak_bytes`` and ``tail_peak_bytes`` against its budget separately: they do not depend on
+    the plan.
+
+    Args:
+        chain: The measured chain of ``n`` blocks and the head.
+        headroom_bytes: Memory available to the chain (head included) above ``base_bytes``, bytes.
+            A negative headroom has no plan.
+        nested: ``True`` for nested recomputation (rotor); ``False`` for the best set of blocks
+            checkpointed one by one (knapsack).
+        slots: Number of memory units the headroom is divided into (more: closer to optimal,
+            slower; time grows as ``n**3 * slots``). ``None`` picks exact 1-byte units up to 4096
+            bytes of headroom, else 1000 units up to about 160 blocks, falling to 500 at 200
+            blocks and 250 from about 250 blocks.
+
+    Returns:
+        The plan with the least simulated ``total_ms`` among those the rounding lets through (with
+        1-byte units: among all plans), ties going to the plan that keeps earliest; ``None`` when no
+        plan fits. Its simulated chain peak never exceeds ``base_bytes + headroom_bytes``.
+
+    Raises:
+        RematError: If ``slots`` is given and is below 1.
+    """
+    if slots is not None and slots < 1:
+        raise RematError(f"solve: slots={slots} must be at least 1; pass None to choose automatically.")
+    if headroom_bytes < 0:
+        return None
+    headroom_bytes = int(headroom_bytes)
+    if slots is None:
+        slots = headroom_bytes if headroom_bytes <= _EXACT_MAX_BYTES else _auto_slots(chain.n)
+    unit_bytes = max(1, _ceil_div(headroom_bytes, max(1, slots)))
+    top_units = headroom_bytes // unit_bytes
+    table = _fill(chain, unit_bytes, top_units, nested)
+    if not math.isfinite(table.opt[0, chain.n, top_units]):
+        return None
+    return _rebuild(table, 0, chain.n, top_units)
+
+
+# ----------------------------------------------------------------------------------------------
+# The lowest peak
+# ----------------------------------------------------------------------------------------------
+
+
+def _peak_table(chain: Chain, nested: bool) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """``P[s, t]``: the least chain peak of running ``s..t`` above its entry level, and ``nosave``."""
+    n = chain.n
+    x = np.asarray(chain.x_bytes, dtype=np.int64)
+    keep_bytes = [int(v) for v in chain.keep_bytes]
+    keep_ok = [max(int(chain.fwd_peak_bytes[s]), keep_bytes[s] + int(chain.bwd_peak_bytes[s])) for s in range(n + 1)]
+    nosave = np.zeros((n + 1, n + 1), dtype=np.int64)  # nosave[s, k] for s < k
+    for s in range(n):
+        running = int(chain.fwd_peak_bytes[s])
+        for k in range(s + 1, n + 1):
+            nosave[s, k] = running
+            if k < n:
+                running = max(running, int(chain.fwd_peak_bytes[k]) + int(chain.x_bytes[k]))
+    peak = np.zeros((n + 1, n + 1), dtype=np.int64)
+    for t in range(n + 1):
+        peak[t, t] = keep_ok[t]
+        for s in range(t - 1, -1, -1):
+            best = max(keep_ok[s], keep_bytes[s] + int(peak[s + 1, t]))
+            hi = t + 1 if nested else s + 2
+            ks = slice(s + 1, hi)
+            xs = x[ks]
+            cand = np.maximum(nosave[s, ks], xs + np.maximum(peak[ks, t], peak[s, s : hi - 1]))
+            peak[s, t] = min(best, int(cand.min()))
+    return peak, nosave
+
+
+def min_peak_plan(chain: Chain, *, nested: bool = True) -> tuple[Op, ...]:
+    """A plan reaching the lowest simulated peak of all plans (see :func:`min_peak`).
+
+    Args:
+        chain: The measured chain of ``n`` blocks and the head.
+        nested: ``True`` to allow nested recomputation; ``False`` for single-level plans.
+
+    Returns:
+        The plan; among plans with the lowest peak, the one that keeps earliest, then checkpoints the
+        shortest segment (not necessarily the fastest).
+    """
+    peak, nosave = _peak_table(chain, nested)
+    n = chain.n
+    x = chain.x_bytes
+    keep_bytes = chain.keep_bytes
+
+    def build(s: int, t: int) -> tuple[Op, ...]:
+        ops: list[Op] = []
+        while s < t:
+            keep_ok = max(int(chain.fwd_peak_bytes[s]), int(keep_bytes[s]) + int(chain.bwd_peak_bytes[s]))
+            if max(keep_ok, int(keep_bytes[s]) + int(peak[s + 1, t])) == peak[s, t]:
+                ops.append(Keep(s))
+                s += 1
+                continue
+            for k in range(s + 1, t + 1 if nested else s + 2):
+                if max(int(nosave[s, k]), int(x[k]) + int(max(peak[k, t], peak[s, k - 1]))) == peak[s, t]:
+                    ops.append(Recompute(s, k, build(s, k - 1)))
+                    s = k
+                    break
+            else:  # pragma: no cover - mirrors _peak_table
+                raise RematError(f"min_peak: internal error, no candidate reproduces P({s}, {t}) = {peak[s, t]}")
+        if t < n:
+            ops.append(Keep(t))
+        return tuple(ops)
+
+    return build(0, n)
+
+
+def min_peak(chain: Chain, *, nested: bool = True) -> int:
+    """The lowest simulated peak any plan reaches (recompute as much as helps), bytes.
+
+    An exact ``O(n**3)`` recursion on peaks, the counterpart of NOTE [ Rotor dynamic program ] with
+    ``max`` in place of ``+``.
+
+    Args:
+        chain: The measured chain of ``n`` blocks and the head.
+        nested: ``True`` to allow nested recomputation; ``False`` for single-level plans.
+
+    Returns:
+        ``max(pre_peak_bytes, base_bytes, base_bytes + lowest chain peak, base_bytes +
+        tail_peak_bytes)``, bytes: the ``peak_bytes`` :func:`simulate` gives :func:`min_peak_plan`.
+    """
+    peak, _ = _peak_table(chain, nested)
+    chain_peak = int(peak[0, chain.n])
+    return max(
+        int(chain.pre_peak_bytes),
+        int(chain.base_bytes),
+        int(chain.base_bytes) + chain_peak,
+        int(chain.base_bytes) + int(chain.tail_peak_bytes),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan space, for brute force
+# ----------------------------------------------------------------------------------------------
+
+
+def _plans(s: int, t: int, n: int, nested: bool) -> Iterator[tuple[Op, ...]]:
+    if s == t:
+        yield () if t == n else (Keep(s),)
+        return
+    for rest in _plans(s + 1, t, n, nested):
+        yield (Keep(s), *rest)
+    for k in range(s + 1, t + 1) if nested else (s + 1,):
+        for inner in _plans(s, k - 1, n, nested):
+            for rest in _plans(k, t, n, nested):
+                yield (Recompute(s, k, inner), *rest)
+
+
+def all_plans(n: int, *, nested: bool = True) -> Iterator[tuple[Op, ...]]:
+    """Every plan the solvers choose from, for ``n`` blocks (brute force in tests; grows exponentially).
+
+    Args:
+        n: Number of blocks, the head excluded.
+        nested: ``True`` for the plan space of nested recomputation; ``False`` for single-level plans.
+
+    Yields:
+        Each plan once, keep-first plans before checkpoint-first ones.
+    """
+    if n < 0:
+        raise RematError(f"all_plans: n={n} must be at least 0.")
+    yield from _plans(0, n, n, nested)

@@ -1,0 +1,353 @@
+"""``remat.profile``: measure a model's blocks on a real batch."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+from remat.blocks import Block, blocks as find_blocks
+from remat.blocks import fingerprint, resolve
+from remat.errors import BlockSelectionError, RematError
+from remat.measure.trace import (
+    MemoryTrace,
+    device_of,
+    held_bytes,
+    mark,
+    median,
+    preserved,
+    record_memory,
+    train_step,
+    zero_grads,
+)
+from remat.profile.types import BlockProfile, Profile, SubProfile
+
+__all__ = ["profile", "probe"]
+
+log = logging.getLogger(__name__)
+
+# Event kinds reported by the probe: F/f block forward start/end, B/b block backward start/end,
+# S/s sub-module forward start/end.
+Callback = Callable[[str, int], None]
+
+
+def _storages(obj: Any, exclude: set[int]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for leaf in tree_leaves(obj):
+        if isinstance(leaf, torch.Tensor):
+            try:
+                st = leaf.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if st.data_ptr() not in exclude:
+                out[st.data_ptr()] = st.nbytes()
+    return out
+
+
+class _Probe:
+    """Hooks on blocks and sub-modules that report forward/backward boundaries and saved tensors."""
+
+    def __init__(self, model: nn.Module, block_list: Sequence[Block], callback: Callback, *, track: bool) -> None:
+        self.model = model
+        self.members = resolve(model, block_list)
+        self.subs = [model.get_submodule(f) for b in block_list for f in (*b.attention_fqns, *b.ffn_fqns)]
+        self.sub_names = [f for b in block_list for f in (*b.attention_fqns, *b.ffn_fqns)]
+        self.callback = callback
+        self.track = track
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        n, m = len(block_list), len(self.subs)
+        self.saved: list[dict[int, int]] = [{} for _ in range(n + m)]
+        self.inputs: list[dict[int, int]] = [{} for _ in range(n + m)]
+        self.outputs: list[dict[int, int]] = [{} for _ in range(n + m)]
+        self.calls = [0] * n
+        self.order: list[int] = []
+        self.chain = True
+        self._last_out: int | None = None
+        self._active: list[int] = []
+        self._fired: set[tuple[str, int]] = set()
+        self.handles: list[Any] = []
+
+    def _once(self, kind: str, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(_grad: torch.Tensor) -> None:
+            if (kind, i) not in self._fired:
+                self._fired.add((kind, i))
+                self.callback(kind, i)
+
+        return hook
+
+    def _pre(self, slot: int, kind: str, index: int) -> Callable[..., None]:
+        def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self.callback(kind, index)
+            self._active.append(slot)
+            if self.track:
+                self.inputs[slot].update(_storages((args, kwargs), self.params))
+            if kind == "F":
+                self.calls[index] += 1
+                self.order.append(index)
+                first = args[0] if args else None
+                if index > 0 and not (isinstance(first, torch.Tensor) and id(first) == self._last_out):
+                    self.chain = False
+                for t in tree_leaves((args, kwargs)):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._once("b", index))
+
+        return hook
+
+    def _post(self, slot: int, kind: str, index: int) -> Callable[..., None]:
+        def hook(_mod: nn.Module, _args: Any, _kwargs: Any, out: Any) -> None:
+            if self.track:
+                self.outputs[slot].update(_storages(out, self.params))
+            if self._active and self._active[-1] == slot:
+                self._active.pop()
+            if kind == "f":
+                self._last_out = id(out) if isinstance(out, torch.Tensor) else None
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._once("B", index))
+            self.callback(kind, index)
+
+        return hook
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._active:
+            try:
+                st = t.untyped_storage()
+                ptr, size = st.data_ptr(), st.nbytes()
+            except (RuntimeError, NotImplementedError):
+                return t
+            if ptr not in self.params:
+                for slot in self._active:
+                    self.saved[slot][ptr] = size
+        return t
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[_Probe]:
+        n = len(self.members)
+        for i, mods in enumerate(self.members):
+            self.handles.append(mods[0].register_forward_pre_hook(self._pre(i, "F", i), with_kwargs=True))
+            self.handles.append(mods[-1].register_forward_hook(self._post(i, "f", i), with_kwargs=True))
+        for j, sub in enumerate(self.subs):
+            self.handles.append(sub.register_forward_pre_hook(self._pre(n + j, "S", j), with_kwargs=True))
+            self.handles.append(sub.register_forward_hook(self._post(n + j, "s", j), with_kwargs=True))
+        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t) if self.track else contextlib.nullcontext()
+        try:
+            with ctx:
+                yield self
+        finally:
+            for h in self.handles:
+                h.remove()
+            self.handles.clear()
+
+
+@contextlib.contextmanager
+def probe(model: nn.Module, block_list: Sequence[Block], callback: Callback, *, track: bool = False) -> Iterator[_Probe]:
+    """Report ``(kind, index)`` at each block's forward start ``F``/end ``f``, backward start ``B``/end ``b``
+    and each attention/FFN sub-module's forward start ``S``/end ``s``; with ``track``, also record the
+    storages each block saves for backward, takes and returns."""
+    with _Probe(model, block_list, callback, track=track).installed() as p:
+        yield p
+
+
+def _times(events: list[tuple[str, int, int]]) -> dict[tuple[str, int], int]:
+    out: dict[tuple[str, int], int] = {}
+    for kind, i, t in events:
+        out.setdefault((kind, i), t)
+    return out
+
+
+def profile(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor],
+    *,
+    blocks: Sequence[Block] | None = None,
+    repeats: int = 5,
+    warmup: int = 1,
+) -> Profile:
+    """Measure a model's blocks on a real batch.
+
+    Runs ``warmup`` plain training steps, ``repeats`` timed steps (median per block), one step under the
+    torch profiler for memory and one under ``FlopCounterMode`` for FLOPs. The model is left exactly as
+    it was: gradients, buffers (BatchNorm statistics), RNG state, train/eval mode and any remat plan
+    applied to it.
+
+    Args:
+        model: The model, on the device to profile on.
+        inputs: A tensor, a tuple of positional arguments or a dict of keyword arguments.
+        loss_fn: Maps the model's output to a scalar loss.
+        blocks: The blocks to measure (default: ``remat.blocks(model)``).
+        repeats: Timed steps, >= 1.
+        warmup: Untimed steps first, >= 1 (it also allocates the parameter gradients).
+
+    Returns:
+        The :class:`Profile`.
+
+    Raises:
+        RematError: For bad ``repeats``/``warmup``, a loss that is not a scalar, or blocks that do not
+            run exactly once per step in their listed order.
+    """
+    if repeats < 1 or warmup < 1:
+        raise RematError(f"profile: repeats={repeats} and warmup={warmup} must both be >= 1")
+    from remat.apply import _suspended  # local: apply imports profile types
+
+    block_list = tuple(blocks) if blocks is not None else find_blocks(model)
+    if not block_list:
+        raise BlockSelectionError("profile: no blocks to profile; select at least one block")
+    dev = device_of(model, inputs)
+    n = len(block_list)
+
+    def step() -> None:
+        zero_grads(model)
+        train_step(model, inputs, loss_fn)
+
+    with _suspended(model), preserved(model, inputs):
+        for _ in range(warmup):
+            step()
+        held = held_bytes(model, inputs)
+
+        # Times: wall clock at each boundary, median over repeats.
+        runs: list[list[tuple[str, int, int]]] = []
+        step_ms: list[float] = []
+        for _ in range(repeats):
+            events: list[tuple[str, int, int]] = []
+
+            def clock(kind: str, i: int, events: list[tuple[str, int, int]] = events) -> None:
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                events.append((kind, i, time.perf_counter_ns()))
+
+            with probe(model, block_list, clock):
+                zero_grads(model)
+                t0 = time.perf_counter_ns()
+                train_step(model, inputs, loss_fn)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                t_end = time.perf_counter_ns()
+            events.append(("end", 0, t_end))
+            step_ms.append((t_end - t0) / 1e6)
+            runs.append(events)
+
+        # Memory: every allocation of one step, with the boundaries as markers.
+        with probe(model, block_list, lambda kind, i: mark(f"{kind}{i}"), track=True) as tracked:
+            trace = record_memory(step, dev)
+        _check_order(tracked.calls, tracked.order, block_list)
+
+        # FLOPs.
+        flop_events: list[tuple[str, int, int]] = []
+        counter = FlopCounterMode(display=False)
+        with probe(model, block_list, lambda kind, i: flop_events.append((kind, i, counter.get_total_flops()))):
+            zero_grads(model)
+            with counter:
+                train_step(model, inputs, loss_fn)
+
+    return _assemble(model, block_list, tracked, trace, runs, step_ms, _times(flop_events), held, dev, n)
+
+
+def _check_order(calls: list[int], order: list[int], block_list: Sequence[Block]) -> None:
+    bad = [(block_list[i].name, c) for i, c in enumerate(calls) if c != 1]
+    if bad:
+        raise BlockSelectionError(
+            f"profile: blocks must run exactly once per step, but {bad[:3]} (name, runs) did not; "
+            "choose blocks that the forward calls once each"
+        )
+    if order != sorted(order):
+        names = [block_list[i].name for i in order]
+        raise BlockSelectionError(
+            f"profile: blocks ran in the order {names[:6]}..., not in their listed order; "
+            "list blocks in forward order (named=... or include=...)"
+        )
+
+
+def _assemble(
+    model: nn.Module,
+    block_list: Sequence[Block],
+    tracked: _Probe,
+    trace: MemoryTrace,
+    runs: list[list[tuple[str, int, int]]],
+    step_ms: list[float],
+    flops: dict[tuple[str, int], int],
+    held: int,
+    dev: torch.device,
+    n: int,
+) -> Profile:
+    marks = {name: ts[0] for name, ts in trace.mark_times().items()}
+    end = trace.duration_ns
+
+    def mt(kind: str, i: int, default: int | None = None) -> int:
+        key = f"{kind}{i}"
+        if key in marks:
+            return marks[key]
+        if default is not None:
+            return default
+        raise RematError(f"profile: no {kind}{i} boundary was recorded; the block's output must require grad")
+
+    timings = [_times(events) for events in runs]
+
+    def ms(a: tuple[str, int], b: tuple[str, int], fallback: str = "end") -> float:
+        vals = [(t.get(b, t.get((fallback, 0), 0)) - t[a]) / 1e6 for t in timings if a in t]
+        return max(0.0, median(vals))
+
+    def fl(a: tuple[str, int], b: tuple[str, int]) -> int:
+        return max(0, flops.get(b, flops.get(a, 0)) - flops.get(a, 0))
+
+    sub_index = 0
+    profiles = []
+    for i, b in enumerate(block_list):
+        f0, f1 = mt("F", i), mt("f", i)
+        b0, b1 = mt("B", i), mt("b", i, end)
+        l_f0, l_b0 = trace.level_at(f0), trace.level_at(b0)
+        subs = []
+        for fqn in (*b.attention_fqns, *b.ffn_fqns):
+            slot = n + sub_index
+            saved = {k: v for k, v in tracked.saved[slot].items() if k not in tracked.inputs[slot]}
+            subs.append(
+                SubProfile(
+                    fqn=fqn,
+                    saved_bytes=sum(saved.values()),
+                    output_bytes=sum(tracked.outputs[slot].values()),
+                    fwd_ms=ms(("S", sub_index), ("s", sub_index)),
+                )
+            )
+            sub_index += 1
+        profiles.append(
+            BlockProfile(
+                input_bytes=sum(tracked.inputs[i].values()),
+                output_bytes=sum(tracked.outputs[i].values()),
+                saved_bytes=sum(tracked.saved[i].values()),
+                keep_bytes=trace.level_at(f1) - l_f0,
+                fwd_peak_bytes=trace.peak_between(f0, f1) - l_f0,
+                bwd_peak_bytes=trace.peak_between(b0, b1) - l_b0,
+                fwd_ms=ms(("F", i), ("f", i)),
+                bwd_ms=ms(("B", i), ("b", i)),
+                fwd_flops=fl(("F", i), ("f", i)),
+                bwd_flops=fl(("B", i), ("b", i)),
+                subs=tuple(subs),
+            )
+        )
+    start0, last_end, last_bwd = mt("F", 0), mt("f", n - 1), mt("B", n - 1)
+    base = trace.level_at(start0)
+    tail_start = mt("b", 0, end)
+    return Profile(
+        model=type(model).__name__,
+        device=dev.type,
+        blocks=tuple(block_list),
+        block_profiles=tuple(profiles),
+        fingerprint=fingerprint(model, block_list),
+        is_chain=tracked.chain,
+        held_bytes=held,
+        peak_bytes=trace.peak_bytes,
+        step_ms=median(step_ms),
+        base_bytes=base,
+        pre_peak_bytes=trace.peak_between(0, start0),
+        head_input_bytes=profiles[-1].output_bytes,
+        head_peak_bytes=trace.peak_between(last_end, last_bwd) - trace.level_at(last_end),
+        head_ms=ms(("f", n - 1), ("B", n - 1)),
+        tail_peak_bytes=max(0, trace.peak_between(tail_start, end) - base),
+    )

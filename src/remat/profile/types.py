@@ -1,0 +1,163 @@
+"""What a profile holds: measured per-block bytes, times and FLOPs of one model on one batch."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+from remat.blocks import Block
+from remat.errors import RematError
+from remat.plan.chain import Chain
+from remat.plan.types import block_from_json, block_to_json
+
+__all__ = ["BlockProfile", "SubProfile", "Profile"]
+
+
+@dataclass(frozen=True)
+class SubProfile:
+    """A sub-module inside a block that ``attention_only``/``ffn_only`` may checkpoint on its own.
+
+    Attributes:
+        fqn: The sub-module's name.
+        saved_bytes: Bytes autograd saves inside it, its input excluded (what checkpointing it frees).
+        output_bytes: Bytes of its output.
+        fwd_ms: Its forward time (the cost of recomputing it), milliseconds.
+    """
+
+    fqn: str
+    saved_bytes: int
+    output_bytes: int
+    fwd_ms: float
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """Measured figures of one block in a plain training step.
+
+    Attributes:
+        input_bytes: Bytes of the block's tensor inputs (unique storages, parameters excluded).
+        output_bytes: Bytes of its tensor outputs.
+        saved_bytes: Bytes autograd saves for the block's backward, counted once per storage,
+            parameters excluded (through saved-tensor hooks).
+        keep_bytes: How much memory the forward leaves allocated when the block is kept, bytes.
+        fwd_peak_bytes: Peak rise during its forward above the level at its start, bytes.
+        bwd_peak_bytes: Peak rise during its backward above the level at its start, bytes.
+        fwd_ms: Median forward time, milliseconds.
+        bwd_ms: Median backward time, milliseconds.
+        fwd_flops: Forward FLOPs (``torch.utils.flop_counter``).
+        bwd_flops: Backward FLOPs.
+        subs: Attention / FFN sub-modules of a mixed block.
+    """
+
+    input_bytes: int
+    output_bytes: int
+    saved_bytes: int
+    keep_bytes: int
+    fwd_peak_bytes: int
+    bwd_peak_bytes: int
+    fwd_ms: float
+    bwd_ms: float
+    fwd_flops: int
+    bwd_flops: int
+    subs: tuple[SubProfile, ...] = ()
+
+    @property
+    def fwd_transient_bytes(self) -> int:
+        """Memory used during the forward and freed by its end, bytes."""
+        return max(0, self.fwd_peak_bytes - self.keep_bytes)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-block measurements of a model on a batch (``remat.profile``).
+
+    Attributes:
+        model: The model's class name.
+        device: ``"cpu"`` or ``"cuda"``.
+        blocks: The blocks measured.
+        block_profiles: Their figures, one per block.
+        fingerprint: Hash of the blocks' names, classes and parameter shapes.
+        is_chain: Whether each block's first input is the previous block's output (then segments
+            of several blocks can share one checkpoint).
+        held_bytes: Memory held before the step (parameters, gradients, buffers, inputs), bytes.
+        peak_bytes: Peak of the plain step above the held memory, bytes (the unplanned peak).
+        step_ms: Median time of a plain step, milliseconds.
+        base_bytes: Level when block 0 starts, bytes above the held memory.
+        pre_peak_bytes: Peak before block 0 starts, bytes above the held memory.
+        head_input_bytes: Bytes of the last block's output (the head's input).
+        head_peak_bytes: Peak rise from the end of the last block's forward to the start of its backward, bytes.
+        head_ms: Time from the end of the last block's forward to the start of its backward, milliseconds.
+        tail_peak_bytes: Peak after block 0's backward, above ``base_bytes``.
+    """
+
+    schema_version: ClassVar[int] = 1
+
+    model: str
+    device: str
+    blocks: tuple[Block, ...]
+    block_profiles: tuple[BlockProfile, ...]
+    fingerprint: str
+    is_chain: bool
+    held_bytes: int
+    peak_bytes: int
+    step_ms: float
+    base_bytes: int
+    pre_peak_bytes: int
+    head_input_bytes: int
+    head_peak_bytes: int
+    head_ms: float
+    tail_peak_bytes: int
+
+    def chain(self) -> Chain:
+        """The solver's view (see NOTE [ Chain cost model ] in ``remat.plan.chain``)."""
+        bps = self.block_profiles
+        return Chain(
+            fwd_ms=tuple(b.fwd_ms for b in bps) + (self.head_ms,),
+            bwd_ms=tuple(b.bwd_ms for b in bps) + (0.0,),
+            x_bytes=tuple(b.input_bytes for b in bps) + (self.head_input_bytes,),
+            keep_bytes=tuple(b.keep_bytes for b in bps) + (0,),
+            fwd_peak_bytes=tuple(b.fwd_peak_bytes for b in bps) + (self.head_peak_bytes,),
+            bwd_peak_bytes=tuple(b.bwd_peak_bytes for b in bps) + (0,),
+            base_bytes=self.base_bytes,
+            pre_peak_bytes=self.pre_peak_bytes,
+            tail_peak_bytes=self.tail_peak_bytes,
+        )
+
+    def sub_costs(self) -> dict[tuple[int, tuple[str, ...]], tuple[int, float]]:
+        """For ``RecomputeSub``: (bytes freed, recompute ms) of checkpointing each block's attention / FFN subs."""
+        out: dict[tuple[int, tuple[str, ...]], tuple[int, float]] = {}
+        for i, (b, bp) in enumerate(zip(self.blocks, self.block_profiles)):
+            by_fqn = {s.fqn: s for s in bp.subs}
+            for group in (b.attention_fqns, b.ffn_fqns):
+                if group and all(f in by_fqn for f in group):
+                    out[(i, group)] = (
+                        sum(by_fqn[f].saved_bytes for f in group),
+                        sum(by_fqn[f].fwd_ms for f in group),
+                    )
+        return out
+
+    def to_json(self) -> str:
+        """Serialise to a JSON string (with ``schema_version``)."""
+        data = asdict(self)
+        data["schema_version"] = self.schema_version
+        data["blocks"] = [block_to_json(b) for b in self.blocks]
+        return json.dumps(data, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        """Read a profile written by :meth:`to_json`.
+
+        Raises:
+            RematError: If the text is not a profile of this schema version.
+        """
+        data: dict[str, Any] = json.loads(text)
+        if not isinstance(data, dict) or data.get("schema_version") != cls.schema_version:
+            found = data.get("schema_version") if isinstance(data, dict) else type(data).__name__
+            raise RematError(f"profile json: schema_version {found!r} is not {cls.schema_version}; profile again with this remat")
+        data.pop("schema_version")
+        data["blocks"] = tuple(block_from_json(b) for b in data["blocks"])
+        data["block_profiles"] = tuple(
+            BlockProfile(**{**bp, "subs": tuple(SubProfile(**s) for s in bp.get("subs", ()))}) for bp in data["block_profiles"]
+        )
+        return cls(**data)

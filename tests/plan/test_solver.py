@@ -1,0 +1,348 @@
+"""Tests of remat.plan.solver: the simulator by hand, the solvers against brute force over all plans."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+import numpy as np
+import pytest
+
+from remat.errors import RematError
+from remat.plan.chain import Chain, Keep, Op, Recompute, RecomputeSub
+from remat.plan.solver import Simulation, all_plans, min_peak, min_peak_plan, simulate, solve
+
+# ------------------------------------------------------------------------------------------------
+# Fixtures
+# ------------------------------------------------------------------------------------------------
+
+
+def hand_chain() -> Chain:
+    """Two blocks and the head, numbers small enough to simulate on paper (see the tests below)."""
+    return Chain(
+        fwd_ms=(1.0, 2.0, 3.0),
+        bwd_ms=(2.0, 4.0, 5.0),
+        x_bytes=(10, 20, 30),
+        keep_bytes=(40, 50, 0),
+        fwd_peak_bytes=(60, 70, 8),
+        bwd_peak_bytes=(15, 25, 12),
+        base_bytes=10,
+        pre_peak_bytes=12,
+        tail_peak_bytes=3,
+    )
+
+
+def random_chain(rng: np.random.Generator, n: int, hi: int, *, negative_keep: bool = False) -> Chain:
+    """A chain with integer sizes in [0, hi) and fwd/bwd peaks above the level rise, like a profile."""
+    keep = rng.integers(0, hi, n + 1)
+    if negative_keep:
+        # A block whose input is freed after it (e.g. a pooling layer) lowers the level.
+        keep = keep - rng.integers(0, hi // 2 + 1, n + 1)
+    keep[-1] = 0
+    return Chain(
+        fwd_ms=tuple(float(v) for v in rng.uniform(0.5, 5.0, n + 1)),
+        bwd_ms=tuple(float(v) for v in rng.uniform(0.5, 10.0, n + 1)),
+        x_bytes=tuple(int(v) for v in rng.integers(1, hi, n + 1)),
+        keep_bytes=tuple(int(v) for v in keep),
+        fwd_peak_bytes=tuple(int(v) for v in np.maximum(keep, 0) + rng.integers(0, hi, n + 1)),
+        bwd_peak_bytes=tuple(int(v) for v in rng.integers(0, hi, n + 1)),
+        base_bytes=int(rng.integers(0, hi)),
+        pre_peak_bytes=int(rng.integers(0, hi)),
+        tail_peak_bytes=int(rng.integers(0, hi)),
+    )
+
+
+def chain_peak(chain: Chain, ops: tuple[Op, ...]) -> int:
+    """The simulated peak of the chain alone, above ``base_bytes`` (what ``solve``'s headroom bounds).
+
+    ``simulate`` also counts pre_peak, base and tail; with those zeroed the peak is the chain's.
+    """
+    bare = dataclasses.replace(chain, base_bytes=0, pre_peak_bytes=-(10**18), tail_peak_bytes=-(10**18))
+    return simulate(bare, ops).peak_bytes
+
+
+def brute_force(chain: Chain, nested: bool) -> list[tuple[int, float]]:
+    """(chain peak above base, total ms) of every plan in the solver's plan space."""
+    return [(chain_peak(chain, ops), simulate(chain, ops).total_ms) for ops in all_plans(chain.n, nested=nested)]
+
+
+def budgets(peaks: Iterable[int], count: int = 7) -> list[int]:
+    """Headrooms from one below the lowest chain peak to one above the highest, the ends included."""
+    values = sorted(set(peaks))
+    lo, hi = values[0], values[-1]
+    picks = {lo - 1, lo, hi, hi + 1, *np.linspace(lo, hi, count).round().astype(int).tolist()}
+    return sorted(picks | set(values[:: max(1, len(values) // count)]))
+
+
+def depth(ops: tuple[Op, ...]) -> int:
+    return max((1 + depth(op.inner) for op in ops if isinstance(op, Recompute)), default=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# simulate by hand
+# ------------------------------------------------------------------------------------------------
+
+# Every plan of the hand chain with its simulated (peak, extra ms); time once through = 1+2+3+2+4+5 = 17 ms.
+R0 = Recompute(0, 1, (Keep(0),))
+R1 = Recompute(1, 2, (Keep(1),))
+HAND = [
+    # L=10. K0: 10+60=70, L=50. K1: 50+70=120, L=100. head: 100+8, 100+12. bwd K1: 100+25=125, L=50;
+    # bwd K0: 50+15=65, L=10. Tail 10+3=13, pre 12.
+    ((Keep(0), Keep(1)), 125, 0.0),
+    # R0 fwd: 10+60=70, L=10+x1=30. K1: 30+70=100, L=80. head 88, 92. bwd K1: 80+25=105, L=30.
+    # bwd R0: replay K0 30+60=90, L=70; bwd K0 70+15=85, L=30; L-=20 -> 10. Extra f0 = 1.
+    ((R0, Keep(1)), 105, 1.0),
+    # K0: 70, L=50. R1 fwd: 50+70=120, L=50+x2=80. head 88, 92. bwd R1: replay K1 80+70=150, L=130;
+    # bwd K1 130+25=155, L=80; L=50. bwd K0 65. Extra f1 = 2.
+    ((Keep(0), R1), 155, 2.0),
+    # R0 fwd 70, L=30. R1 fwd: 30+70=100, L=60. head 68, 72. bwd R1: replay K1 60+70=130, L=110; bwd 135;
+    # L=30. bwd R0: replay 90, bwd 85. Extra 1 + 2 = 3.
+    ((R0, R1), 135, 3.0),
+    # R[0:2] fwd: q=0 10+60=70, q=1 10+70+x1=100; L=10+x2=40. head 48, 52. bwd: replay K0 40+60=100,
+    # L=80; K1 80+70=150, L=130; bwd K1 155, L=80; bwd K0 95, L=40; L=10. Extra 1 + 2 = 3.
+    ((Recompute(0, 2, (Keep(0), Keep(1))),), 155, 3.0),
+    # As above, but the replay checkpoints block 0: replay R0 40+60=100, L=60; K1 60+70=130, L=110;
+    # bwd K1 135, L=60; bwd R0: replay K0 120, L=100, bwd 115. Extra 3 + 1 = 4.
+    ((Recompute(0, 2, (R0, Keep(1))),), 135, 4.0),
+]
+
+
+@pytest.mark.parametrize(("ops", "peak", "extra"), HAND)
+def test_simulate_by_hand(ops: tuple[Op, ...], peak: int, extra: float) -> None:
+    assert simulate(hand_chain(), ops) == Simulation(peak_bytes=peak, total_ms=17.0 + extra, extra_ms=extra)
+
+
+def test_hand_plans_are_the_whole_plan_space() -> None:
+    assert sorted(map(repr, all_plans(2))) == sorted(repr(ops) for ops, _, _ in HAND)
+
+
+def test_simulate_counts_pre_peak_and_tail() -> None:
+    chain = hand_chain()
+    high_pre = dataclasses.replace(chain, pre_peak_bytes=500)
+    high_tail = dataclasses.replace(chain, tail_peak_bytes=400)
+    plan = (Keep(0), Keep(1))
+    assert simulate(high_pre, plan).peak_bytes == 500
+    assert simulate(high_tail, plan).peak_bytes == 410  # base 10 + tail 400
+
+
+def test_simulate_recompute_sub() -> None:
+    # Block 0 saves 30 bytes by checkpointing its attention: S' = 40-30 = 10, fp' = max(60-30, 10) = 30,
+    # bp' = max(15-30, 10) = 10. L=10: fwd 10+30=40, L=20. K1: 20+70=90, L=70. head 78, 82.
+    # bwd K1 70+25=95, L=20. bwd S0 20+10=30, L=10. Peak 95; extra 0.5 ms of recomputed attention.
+    plan = (RecomputeSub(0, ("attn",)), Keep(1))
+    got = simulate(hand_chain(), plan, sub_costs={(0, ("attn",)): (30, 0.5)})
+    assert got == Simulation(peak_bytes=95, total_ms=17.5, extra_ms=0.5)
+
+
+def test_simulate_recompute_sub_needs_costs() -> None:
+    plan = (RecomputeSub(0, ("attn",)), Keep(1))
+    with pytest.raises(RematError, match=r"no costs for S0\{attn\}; pass sub_costs"):
+        simulate(hand_chain(), plan)
+    with pytest.raises(RematError, match=r"no costs for S0\{attn\}"):
+        simulate(hand_chain(), plan, sub_costs={(0, ("mlp",)): (1, 1.0)})
+
+
+@pytest.mark.parametrize(
+    ("ops", "match"),
+    [
+        ((Keep(1), Keep(0)), r"operation K1 at position 0 is for block 1, expected block 0"),
+        ((Keep(0),), r"cover blocks 0\.\.0 but must cover 0\.\.1"),
+        ((Keep(0), Keep(0), Keep(1)), r"operation K0 at position 1 is for block 0, expected block 1"),
+        ((Keep(0), Keep(1), Keep(2)), r"operation K2 at position 2 is past block 1"),
+        ((Recompute(0, 3, (Keep(0), Keep(1), Keep(2))),), r"R\[0:3\]\(K0 K1 K2\) at position 0 spans blocks 0\.\.2"),
+        ((Recompute(0, 0, ()), Keep(0), Keep(1)), r"R\[0:0\]\(\) at position 0 spans blocks 0\.\.-1"),
+        ((Recompute(0, 2, (Keep(0),)),), r"inner plan of R\[0:2\]\(K0\): operations cover blocks 0\.\.0 but must"),
+        ((Recompute(0, 2, (Keep(1), Keep(0))),), r"inner plan of R\[0:2\]\(K1 K0\): operation K1 at position 0"),
+        ((Recompute(0, 2, (Keep(0), R1)),), r"ends its inner plan with R\[1:2\]\(K1\).*must end with Keep\(1\)"),
+        (("K0", Keep(1)), r"operation 'K0' at position 0 is a str; expected Keep, Recompute or RecomputeSub"),
+    ],
+)
+def test_simulate_rejects_bad_plans(ops: tuple[Op, ...], match: str) -> None:
+    with pytest.raises(RematError, match=match):
+        simulate(hand_chain(), ops)
+
+
+# ------------------------------------------------------------------------------------------------
+# solve and min_peak on the hand chain
+# ------------------------------------------------------------------------------------------------
+
+
+def test_solve_by_hand() -> None:
+    chain = hand_chain()
+    # Chain peaks above base 10 (from HAND): keep-all 115 at 17 ms; (R0 K1) 95 at 18 ms, the lowest.
+    assert solve(chain, 115) == (Keep(0), Keep(1))
+    assert solve(chain, 114) == (R0, Keep(1))
+    assert solve(chain, 95) == (R0, Keep(1))
+    assert solve(chain, 94) is None
+    assert min_peak(chain) == 105
+    assert min_peak_plan(chain) == (R0, Keep(1))
+
+
+def test_solve_prefers_keep_on_ties() -> None:
+    # Free forwards: every plan takes the same time, so the tie-break (keep first) decides.
+    chain = Chain(
+        fwd_ms=(0.0,) * 4,
+        bwd_ms=(1.0,) * 4,
+        x_bytes=(1,) * 4,
+        keep_bytes=(5, 5, 5, 0),
+        fwd_peak_bytes=(6, 6, 6, 0),
+        bwd_peak_bytes=(1, 1, 1, 0),
+    )
+    assert solve(chain, 10**6) == (Keep(0), Keep(1), Keep(2))
+    assert solve(chain, 10**6, nested=False) == (Keep(0), Keep(1), Keep(2))
+
+
+def test_solve_rejects_bad_slots() -> None:
+    with pytest.raises(RematError, match=r"slots=0 must be at least 1"):
+        solve(hand_chain(), 100, slots=0)
+
+
+def test_solve_negative_headroom_has_no_plan() -> None:
+    assert solve(hand_chain(), -1) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan space
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", range(0, 7))
+def test_all_plans_counts_and_validity(n: int) -> None:
+    nested = list(all_plans(n))
+    knapsack = list(all_plans(n, nested=False))
+    # Nested plans of n blocks are counted by the large Schroeder numbers; single-level plans by 2**n.
+    assert len(nested) == [1, 2, 6, 22, 90, 394, 1806][n]
+    assert len(knapsack) == 2**n
+    assert len(set(map(repr, nested))) == len(nested)
+    assert {repr(p) for p in knapsack} <= {repr(p) for p in nested}
+    chain = Chain((1.0,) * (n + 1), (1.0,) * (n + 1), (1,) * (n + 1), (1,) * (n + 1), (1,) * (n + 1), (1,) * (n + 1))
+    for ops in nested:
+        simulate(chain, ops)  # raises on a malformed plan
+    for ops in knapsack:
+        for op in ops:
+            assert isinstance(op, Keep) or (
+                isinstance(op, Recompute) and op == Recompute(op.start, op.start + 1, (Keep(op.start),))
+            )
+
+
+# ------------------------------------------------------------------------------------------------
+# Oracle: the solvers against brute force over all plans (1-byte units, so the program is exact)
+# ------------------------------------------------------------------------------------------------
+
+ORACLE_CASES = [(seed, n) for seed in range(12) for n in (1, 2, 3, 4, 5, 6)] + [(100 + seed, 7) for seed in range(3)]
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "knapsack"])
+@pytest.mark.parametrize(("seed", "n"), ORACLE_CASES)
+def test_solve_matches_brute_force(seed: int, n: int, nested: bool) -> None:
+    rng = np.random.default_rng(seed)
+    chain = random_chain(rng, n, hi=int(rng.choice([4, 20, 60])), negative_keep=seed % 3 == 2)
+    plans = brute_force(chain, nested)
+    lowest = min(peak for peak, _ in plans)
+    previous = math.inf
+    for headroom in budgets(peak for peak, _ in plans):
+        ops = solve(chain, headroom, nested=nested)
+        fitting = [ms for peak, ms in plans if peak <= headroom]
+        if headroom < lowest:
+            assert ops is None and not fitting
+            continue
+        assert ops is not None, f"headroom {headroom} >= lowest chain peak {lowest} but solve found no plan"
+        assert chain_peak(chain, ops) <= headroom
+        got = simulate(chain, ops).total_ms
+        assert got == pytest.approx(min(fitting), rel=1e-12, abs=1e-12)
+        assert got <= previous + 1e-12  # more memory never costs time
+        previous = got
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "knapsack"])
+@pytest.mark.parametrize(("seed", "n"), ORACLE_CASES)
+def test_min_peak_matches_brute_force(seed: int, n: int, nested: bool) -> None:
+    rng = np.random.default_rng(seed)
+    chain = random_chain(rng, n, hi=int(rng.choice([4, 20, 60])), negative_keep=seed % 3 == 2)
+    plans = list(all_plans(n, nested=nested))
+    full_peaks = [simulate(chain, ops).peak_bytes for ops in plans]
+    assert min_peak(chain, nested=nested) == min(full_peaks)
+    best = min_peak_plan(chain, nested=nested)
+    assert simulate(chain, best).peak_bytes == min(full_peaks)
+    if not nested:
+        assert depth(best) <= 1
+    # solve finds a plan exactly from the lowest chain peak on.
+    lowest = min(chain_peak(chain, ops) for ops in plans)
+    assert solve(chain, lowest, nested=nested) is not None
+    assert solve(chain, lowest - 1, nested=nested) is None
+
+
+def test_nesting_never_loses_to_knapsack() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        chain = random_chain(rng, int(rng.integers(2, 12)), hi=50)
+        lo = min_peak(chain, nested=False) - chain.base_bytes
+        for headroom in (lo, lo + 25, lo + 100):
+            flat, deep = solve(chain, headroom, nested=False), solve(chain, headroom)
+            assert flat is not None and deep is not None
+            assert simulate(chain, deep).total_ms <= simulate(chain, flat).total_ms + 1e-9
+
+
+# ------------------------------------------------------------------------------------------------
+# Coarse units: never over the budget, and the program's value is the simulated time
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("slots", [1, 3, 10, 57, None])
+def test_coarse_units_stay_within_budget(slots: int | None) -> None:
+    rng = np.random.default_rng(1234 + (slots or 0))
+    for _ in range(25):
+        n = int(rng.integers(1, 30))
+        chain = random_chain(rng, n, hi=int(rng.choice([10**4, 10**7, 10**9])), negative_keep=bool(rng.integers(2)))
+        keep_all = chain_peak(chain, tuple(Keep(k) for k in range(n)))
+        lowest = min_peak(chain) - chain.base_bytes
+        for headroom in np.linspace(lowest, keep_all * 1.1, 6).astype(np.int64).tolist():
+            ops = solve(chain, headroom, slots=slots)
+            if ops is not None:
+                assert chain_peak(chain, ops) <= headroom
+            if slots is None and headroom >= keep_all * 1.1 - 1 and headroom > 0:
+                assert ops is not None  # fine units cost at most a few percent of the headroom
+
+
+@pytest.mark.parametrize("slots", [4, 33])
+def test_coarse_units_never_beat_the_optimum(slots: int) -> None:
+    rng = np.random.default_rng(99 + slots)
+    for _ in range(8):
+        chain = random_chain(rng, int(rng.integers(1, 6)), hi=10**8)
+        plans = brute_force(chain, nested=True)
+        for headroom in budgets((peak for peak, _ in plans), count=5):
+            ops = solve(chain, headroom, slots=slots)
+            if ops is None:
+                continue
+            assert chain_peak(chain, ops) <= headroom
+            best = min(ms for peak, ms in plans if peak <= headroom)
+            assert simulate(chain, ops).total_ms >= best - 1e-9
+
+
+def test_program_value_is_the_simulated_time() -> None:
+    # White-box: the table's value at the top must be the simulated time of the rebuilt plan.
+    from remat.plan import solver
+
+    rng = np.random.default_rng(5)
+    for nested in (True, False):
+        for _ in range(10):
+            n = int(rng.integers(1, 40))
+            chain = random_chain(rng, n, hi=10**6)
+            headroom = (min_peak(chain) - chain.base_bytes) * 3 // 2
+            table = solver._fill(chain, unit_bytes=max(1, -(-headroom // 100)), top_units=100, nested=nested)
+            value = table.opt[0, n, 100]
+            if math.isfinite(value):
+                ops = solver._rebuild(table, 0, n, 100)
+                assert simulate(chain, ops).total_ms == pytest.approx(value, rel=1e-12)
+
+
+def test_solve_two_hundred_blocks_fits() -> None:
+    rng = np.random.default_rng(3)
+    chain = random_chain(rng, 200, hi=10**8)
+    keep_all = chain_peak(chain, tuple(Keep(k) for k in range(200)))
+    lowest = min_peak(chain) - chain.base_bytes
+    ops = solve(chain, (keep_all + lowest) // 2)
+    assert ops is not None
+    assert chain_peak(chain, ops) <= (keep_all + lowest) // 2
+    assert simulate(chain, ops).extra_ms > 0
