@@ -305,6 +305,23 @@ def test_coarse_units_stay_within_budget(slots: int | None) -> None:
                 assert ops is not None  # fine units cost at most a few percent of the headroom
 
 
+def test_coarse_units_lose_nothing_to_a_run_of_kept_blocks() -> None:
+    # 50 blocks of 101 bytes each: keeping all peaks at 50 * 101 = 5050 bytes. In 100-byte units
+    # (5250 bytes / 53 slots) rounding each block up to 2 units would need 100 of the 52 units;
+    # counted along the run, the chain needs ceil(5050 / 100) = 51.
+    n = 50
+    chain = Chain(
+        fwd_ms=(1.0,) * (n + 1),
+        bwd_ms=(1.0,) * (n + 1),
+        x_bytes=(1,) * (n + 1),
+        keep_bytes=(101,) * n + (0,),
+        fwd_peak_bytes=(101,) * n + (0,),
+        bwd_peak_bytes=(0,) * (n + 1),
+    )
+    assert chain_peak(chain, tuple(Keep(k) for k in range(n))) == 5050
+    assert solve(chain, 5250, slots=53) == tuple(Keep(k) for k in range(n))
+
+
 @pytest.mark.parametrize("slots", [4, 33])
 def test_coarse_units_never_beat_the_optimum(slots: int) -> None:
     rng = np.random.default_rng(99 + slots)

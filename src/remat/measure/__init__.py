@@ -210,6 +210,12 @@ def check_gradients(
     finally:
         if before is not None:
             apply(model, before)
+    return _compare_grads(plain, ckpt, exact=exact, atol=atol)
+
+
+def _compare_grads(
+    plain: dict[str, torch.Tensor | None], ckpt: dict[str, torch.Tensor | None], *, exact: bool, atol: float
+) -> GradientCheck:
     mismatched, worst = [], 0.0
     for name, a in plain.items():
         b = ckpt[name]

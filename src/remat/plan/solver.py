@@ -353,12 +353,13 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool) -> _Table
                 buf = scratch[: hi - s - 1]
                 np.add(shifted[t, s + 1 : hi], shifted[s, s + 1 : hi], out=buf)
                 np.minimum(keep, buf.min(axis=0), out=row)
-            # W[t, s] = opt(s, t, m - x[s]), used by (s', t) with s' < s as "the rest after checkpoint s".
+            # W[t, s] = opt(s, t, m - rest_units[s]), used by (s', t) with s' < s as "the rest after
+            # checkpointing s'..s-1".
             if s > 0:
                 shifted[t, s] = _shift(row, rest_units[s])
         if t < n:
-            # W[s, t+1] = sum(f[s..t]) + opt(s, t, m - x[t+1]) where the no-save forward of s..t fits,
-            # used by (s, t') with t' > t as "checkpoint s..t, recompute it under plan(s, t)".
+            # W[s, t+1] = sum(f[s..t]) + opt(s, t, m - inner_units[t+1]) where the no-save forward of
+            # s..t fits, used by (s, t') with t' > t as "checkpoint s..t, recompute it under plan(s, t)".
             fsum = 0.0
             later = -_INF  # max of fp[q] + x[q] over q in s+1..t: blocks that hold their input
             for s in range(t, -1, -1):

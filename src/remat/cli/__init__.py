@@ -1,0 +1,1 @@
+"""The ``remat`` command line: one file per subcommand, each a thin wrapper over the public API."""

@@ -1,0 +1,41 @@
+"""``remat plan MODEL --budget 40%``: the plan as a tree, predicted figures next to none and full, plan.json."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from remat.cli.common import add_model_args, console, load_workload
+from remat.plan import SOLVERS
+from remat.plan import plan as make_plan
+from remat.plan.strategies import full, none
+from remat.profile import Profile
+from remat.profile import profile as run_profile
+from remat.report.tables import plan_tree, plans_table
+
+HELP = "solve for the fastest plan under a memory budget and show it (no training step is changed)"
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``remat plan``."""
+    add_model_args(p)
+    p.add_argument("--budget", required=True, help="bytes ('1.5GiB') or share of the unplanned peak ('40%%')")
+    p.add_argument("--solver", default="optimal", choices=list(SOLVERS), help="default optimal")
+    p.add_argument("--profile", type=Path, default=None, help="read this profile.json instead of profiling")
+    p.add_argument("--out", type=Path, default=Path("plan.json"), help="where to write the plan (default plan.json)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Profile (or read a profile), solve, print the tree and the comparison, write the JSON."""
+    w = load_workload(args.model, args.sizes)
+    if args.profile is not None:
+        prof = Profile.from_json(args.profile.read_text())
+    else:
+        with console.status(f"profiling {w.description}"):
+            prof = run_profile(w.model, w.inputs, w.loss_fn)
+    chosen = make_plan(prof, args.budget, solver=args.solver)
+    console.print(plan_tree(chosen))
+    console.print(plans_table([make_plan(prof, strategy=none()), make_plan(prof, strategy=full()), chosen]))
+    args.out.write_text(chosen.to_json())
+    console.print(f"wrote {args.out}")
+    return 0

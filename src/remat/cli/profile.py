@@ -1,0 +1,30 @@
+"""``remat profile MODEL``: the per-block table, written to profile.json."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from remat.cli.common import add_model_args, console, load_workload
+from remat.profile import profile as run_profile
+from remat.report.tables import profile_table
+
+HELP = "measure every block of a model on its batch (bytes saved, transients, times, FLOPs)"
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``remat profile``."""
+    add_model_args(p)
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per block (median), default 5")
+    p.add_argument("--out", type=Path, default=Path("profile.json"), help="where to write the profile (default profile.json)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Profile the model, print the table, write the JSON."""
+    w = load_workload(args.model, args.sizes)
+    with console.status(f"profiling {w.description}"):
+        prof = run_profile(w.model, w.inputs, w.loss_fn, repeats=args.repeats)
+    console.print(profile_table(prof))
+    args.out.write_text(prof.to_json())
+    console.print(f"wrote {args.out}")
+    return 0
