@@ -20,6 +20,7 @@ from remat.errors import (
     RematError,
 )
 from remat.measure import GradientCheck, Measurement, check_gradients, measure
+from remat.measure.timeline import Timeline, timeline
 from remat.plan import Frontier, Plan, Strategy, frontier, plan
 from remat.plan.strategies import (
     attention_only,
@@ -49,6 +50,7 @@ __all__ = [
     "applied",
     "measure",
     "check_gradients",
+    "timeline",
     "checkpoint",
     "CheckpointedSequential",
     "blocks",
@@ -61,6 +63,7 @@ __all__ = [
     "Strategy",
     "Measurement",
     "GradientCheck",
+    "Timeline",
     "RematError",
     "BlockSelectionError",
     "BudgetInfeasibleError",

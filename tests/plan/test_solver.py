@@ -40,16 +40,19 @@ def random_chain(rng: np.random.Generator, n: int, hi: int, *, negative_keep: bo
         # A block whose input is freed after it (e.g. a pooling layer) lowers the level.
         keep = keep - rng.integers(0, hi // 2 + 1, n + 1)
     keep[-1] = 0
+    x = rng.integers(1, hi, n + 1)
     return Chain(
         fwd_ms=tuple(float(v) for v in rng.uniform(0.5, 5.0, n + 1)),
         bwd_ms=tuple(float(v) for v in rng.uniform(0.5, 10.0, n + 1)),
-        x_bytes=tuple(int(v) for v in rng.integers(1, hi, n + 1)),
+        x_bytes=tuple(int(v) for v in x),
         keep_bytes=tuple(int(v) for v in keep),
         fwd_peak_bytes=tuple(int(v) for v in np.maximum(keep, 0) + rng.integers(0, hi, n + 1)),
         bwd_peak_bytes=tuple(int(v) for v in rng.integers(0, hi, n + 1)),
         base_bytes=int(rng.integers(0, hi)),
         pre_peak_bytes=int(rng.integers(0, hi)),
         tail_peak_bytes=int(rng.integers(0, hi)),
+        # Part of each output not saved by its own block (at most the next block's input).
+        out_free_bytes=tuple(int(v) for v in rng.integers(0, np.append(x[1:], 1) + 1)),
     )
 
 

@@ -17,8 +17,9 @@ from remat.models import Workload, _check_positive, _place, _seeded
 
 __all__ = ["MLPBlock", "mlp_chain", "mlp_workload", "DEFAULT_WIDTHS"]
 
-DEFAULT_WIDTHS: tuple[int, ...] = (128, 1024, 256, 2048, 128, 512, 1536, 256, 128)
-"""Default widths of :func:`mlp_chain` (features): eight blocks whose outputs span 16x in size."""
+DEFAULT_WIDTHS: tuple[int, ...] = (128,) + (512, 192, 1024, 128, 768, 320, 1536, 256) * 3
+"""Default widths of :func:`mlp_chain` (features): 24 blocks whose outputs span 12x in size
+(enough blocks that no single block's working set dominates the step's peak)."""
 
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh}
 
@@ -93,7 +94,7 @@ def mlp_workload(
     *,
     widths: Sequence[int] = DEFAULT_WIDTHS,
     activation: str = "gelu",
-    batch: int = 512,
+    batch: int = 256,
     seed: int = 0,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,

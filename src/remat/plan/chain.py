@@ -32,9 +32,11 @@ Memory is simulated (``remat.plan.simulate``) with a level ``L`` starting at ``b
             head:               peak L + fp[n];  L += S[n] (0)
   backward (reverse order)
             Keep(k):            peak L + bp[k];  L -= S[k]
-            Recompute(a, b, I): forward of I from L, then backward of I (reverse), then L -= x[b]
+            Recompute(a, b, I): forward of I from L, then backward of I (reverse), then L -= x[b];
+                                the last block of I (always a Keep) holds S[b-1] - out_free[b-1]
+                                (the recomputed output is not kept: torch stops recomputing once
+                                every saved tensor is back, and nothing holds the output)
   after the chain:              peak base + tail_peak
-The recomputed output of a segment is counted while its inner plan runs (conservative by x[b]).
 Time is the sum of every forward run (recomputations included) and every backward.
 """
 
@@ -64,6 +66,9 @@ class Chain:
         base_bytes: Level when block 0 starts, above the memory held before the step, bytes.
         pre_peak_bytes: Peak before block 0 starts, above the memory held before the step, bytes.
         tail_peak_bytes: Peak after block 0's backward, above ``base_bytes``, bytes.
+        out_free_bytes: Bytes of each block's output that the block does not save itself (default 0):
+            when the block ends a recomputed region, torch stops the recomputation before (or frees
+            right after) producing them, so they are not held during its backward.
     """
 
     fwd_ms: tuple[float, ...]
@@ -75,8 +80,11 @@ class Chain:
     base_bytes: int = 0
     pre_peak_bytes: int = 0
     tail_peak_bytes: int = 0
+    out_free_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if not self.out_free_bytes:
+            object.__setattr__(self, "out_free_bytes", (0,) * len(self.fwd_ms))
         sizes = {f.name: len(getattr(self, f.name)) for f in fields(self) if isinstance(getattr(self, f.name), tuple)}
         if len(set(sizes.values())) != 1 or next(iter(sizes.values())) < 1:
             raise RematError(f"chain: per-block tuples must all have n + 1 >= 1 entries (the head last); got {sizes}")

@@ -180,8 +180,9 @@ class _Simulator:
     def _rise(self, nbytes: int) -> None:
         self.peak = max(self.peak, self.level + nbytes)
 
-    def forward(self, op: Op, replay: bool) -> None:
-        """Run ``op``'s forward; ``replay`` marks a recomputation (its time is extra)."""
+    def forward(self, op: Op, replay: bool, discard: int = 0) -> None:
+        """Run ``op``'s forward; ``replay`` marks a recomputation (its time is extra); ``discard``
+        bytes of a last recomputed block's output are not held (``out_free_bytes``)."""
         c = self.chain
         if isinstance(op, Recompute):
             for q in range(op.start, op.stop):
@@ -192,22 +193,24 @@ class _Simulator:
             return
         keep, fwd_peak, _ = self._block_sizes(op)
         self._rise(fwd_peak)
-        self.level += keep
+        self.level += keep - discard
         if replay:
             self.extra_ms += float(c.fwd_ms[op.index])
 
-    def backward(self, op: Op) -> None:
+    def backward(self, op: Op, discard: int = 0) -> None:
         """Run ``op``'s backward (and, for a recompute, the replay of its inner plan)."""
         if isinstance(op, Recompute):
-            for inner_op in op.inner:
-                self.forward(inner_op, replay=True)
-            for inner_op in reversed(op.inner):
-                self.backward(inner_op)
+            last = len(op.inner) - 1
+            freed = int(self.chain.out_free_bytes[op.stop - 1])
+            for i, inner_op in enumerate(op.inner):
+                self.forward(inner_op, replay=True, discard=freed if i == last else 0)
+            for i in range(last, -1, -1):
+                self.backward(op.inner[i], discard=freed if i == last else 0)
             self.level -= self.chain.x_bytes[op.stop]
             return
         keep, _, bwd_peak = self._block_sizes(op)
         self._rise(bwd_peak)
-        self.level -= keep
+        self.level -= keep - discard
         if isinstance(op, RecomputeSub):
             self.extra_ms += float(self._sub_cost(op)[1])
 
@@ -333,6 +336,18 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool) -> _Table
         )
         for s in range(n + 1)
     ]
+    # The last block of a recomputed region (s == t < n) does not hold its unsaved output.
+    last_ok_units = [
+        _ceil_div(
+            max(
+                int(chain.fwd_peak_bytes[s]),
+                int(chain.keep_bytes[s]) - int(chain.out_free_bytes[s]) + int(chain.bwd_peak_bytes[s]),
+            )
+            - slack[s],
+            u,
+        )
+        for s in range(n)
+    ] + [keep_ok_units[n]]
     # Negative sizes give headroom back; widen the table by as much so that is not lost to clamping.
     gain = sum(max(0, -v) for v in keep_units + rest_units + inner_units)
     size = top_units + 1 + min(gain, top_units + 1)
@@ -345,7 +360,7 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool) -> _Table
         for s in range(t, -1, -1):
             row = opt[s, t]
             if s == t:
-                row[keep_ok_units[s] if keep_ok_units[s] > 0 else 0 :] = fb_ms[s]
+                row[max(0, last_ok_units[s]) :] = fb_ms[s]
             else:
                 keep = _shift(opt[s + 1, t], keep_units[s]) + fb_ms[s]
                 keep[: max(0, min(keep_ok_units[s], size))] = _INF
@@ -448,6 +463,10 @@ def _peak_table(chain: Chain, nested: bool) -> tuple[npt.NDArray[np.int64], npt.
     x = np.asarray(chain.x_bytes, dtype=np.int64)
     keep_bytes = [int(v) for v in chain.keep_bytes]
     keep_ok = [max(int(chain.fwd_peak_bytes[s]), keep_bytes[s] + int(chain.bwd_peak_bytes[s])) for s in range(n + 1)]
+    last_ok = [
+        max(int(chain.fwd_peak_bytes[s]), keep_bytes[s] - int(chain.out_free_bytes[s]) + int(chain.bwd_peak_bytes[s]))
+        for s in range(n)
+    ] + [keep_ok[n]]
     nosave = np.zeros((n + 1, n + 1), dtype=np.int64)  # nosave[s, k] for s < k
     for s in range(n):
         running = int(chain.fwd_peak_bytes[s])
@@ -457,7 +476,7 @@ def _peak_table(chain: Chain, nested: bool) -> tuple[npt.NDArray[np.int64], npt.
                 running = max(running, int(chain.fwd_peak_bytes[k]) + int(chain.x_bytes[k]))
     peak = np.zeros((n + 1, n + 1), dtype=np.int64)
     for t in range(n + 1):
-        peak[t, t] = keep_ok[t]
+        peak[t, t] = last_ok[t]
         for s in range(t - 1, -1, -1):
             best = max(keep_ok[s], keep_bytes[s] + int(peak[s + 1, t]))
             hi = t + 1 if nested else s + 2

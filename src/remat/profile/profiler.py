@@ -302,7 +302,7 @@ def _assemble(
     for i, b in enumerate(block_list):
         f0, f1 = mt("F", i), mt("f", i)
         b0, b1 = mt("B", i), mt("b", i, end)
-        l_f0, l_b0 = trace.level_at(f0), trace.level_at(b0)
+        l_f0 = trace.level_at(f0)
         subs = []
         for fqn in (*b.attention_fqns, *b.ffn_fqns):
             slot = n + sub_index
@@ -323,12 +323,16 @@ def _assemble(
                 saved_bytes=sum(tracked.saved[i].values()),
                 keep_bytes=trace.level_at(f1) - l_f0,
                 fwd_peak_bytes=trace.peak_between(f0, f1) - l_f0,
-                bwd_peak_bytes=trace.peak_between(b0, b1) - l_b0,
+                # Against the level after this block's forward: what NOTE [ Chain cost model ] assumes at the
+                # start of its backward; the difference (e.g. the head's gradients, held through the whole
+                # backward) is then charged to every block's backward, where it is really held.
+                bwd_peak_bytes=trace.peak_between(b0, b1) - trace.level_at(f1),
                 fwd_ms=ms(("F", i), ("f", i)),
                 bwd_ms=ms(("B", i), ("b", i)),
                 fwd_flops=fl(("F", i), ("f", i)),
                 bwd_flops=fl(("B", i), ("b", i)),
                 subs=tuple(subs),
+                output_saved_bytes=sum(v for k, v in tracked.outputs[i].items() if k in tracked.saved[i]),
             )
         )
     start0, last_end, last_bwd = mt("F", 0), mt("f", n - 1), mt("B", n - 1)

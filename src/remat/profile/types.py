@@ -48,6 +48,8 @@ class BlockProfile:
         fwd_flops: Forward FLOPs (``torch.utils.flop_counter``).
         bwd_flops: Backward FLOPs.
         subs: Attention / FFN sub-modules of a mixed block.
+        output_saved_bytes: Bytes of its outputs that the block itself saves for backward (e.g. a
+            final ReLU's result); the rest is not held when the block ends a recomputed region.
     """
 
     input_bytes: int
@@ -61,6 +63,7 @@ class BlockProfile:
     fwd_flops: int
     bwd_flops: int
     subs: tuple[SubProfile, ...] = ()
+    output_saved_bytes: int = 0
 
     @property
     def fwd_transient_bytes(self) -> int:
@@ -122,6 +125,7 @@ class Profile:
             base_bytes=self.base_bytes,
             pre_peak_bytes=self.pre_peak_bytes,
             tail_peak_bytes=self.tail_peak_bytes,
+            out_free_bytes=tuple(b.output_bytes - b.output_saved_bytes for b in bps) + (0,),
         )
 
     def sub_costs(self) -> dict[tuple[int, tuple[str, ...]], tuple[int, float]]:

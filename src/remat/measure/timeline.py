@@ -1,0 +1,300 @@
+"""``remat.timeline``: memory over one training step, with its phases and every block's runs marked.
+
+The step is recorded by :func:`remat.measure.trace.record_memory` (every allocation and free, see
+NOTE [ What a step's peak means ]) while :func:`remat.profile.profiler.probe` leaves a marker at each
+block boundary; the markers become the forward/backward phases and one interval per block run.
+
+# NOTE [ Real forward runs ]
+With a plan applied, a checkpointed block's module is also *called* when it does not run: the first
+member of a span dispatches the whole span and later members pass the span's output through
+(NOTE [ Spans ] in ``remat.apply.runtime``). The probe reports those calls as F like any other, so
+each F is tagged when it fires: a call is a real run when the module carries no remat override, or
+when remat's runner is calling it directly (``_LOCAL.direct``, set just before the call). A run ends
+when its last member returns, or when any member raises: torch stops a recomputation early by raising
+once it has every tensor it needs, so the probe's f (an ordinary forward hook) never fires for it;
+remat's own ``always_call`` forward hooks see both. Calls nest properly per block, so a stack per
+block pairs each end with its F. A real run after the loss was computed is a recomputation; so is a
+sub-module's (``attention_only``/``ffn_only``) forward there.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+from torch import nn
+
+from remat.apply import applied
+from remat.apply import runtime as _runtime
+from remat.blocks import Block, resolve
+from remat.errors import RematError
+from remat.measure import _count_blocks
+from remat.measure.trace import device_of, held_bytes, mark, preserved, record_memory, train_step, zero_grads
+from remat.profile.profiler import probe
+
+__all__ = ["Timeline", "Phase", "Interval", "timeline", "INTERVAL_KINDS"]
+
+INTERVAL_KINDS = ("forward", "recompute", "backward")
+"""The kinds of :class:`Interval`, in drawing order."""
+
+
+class Phase(NamedTuple):
+    """A phase of the step.
+
+    Attributes:
+        name: ``"forward"`` (up to the loss) or ``"backward"``.
+        start_ms: Start, milliseconds from the start of the step.
+        end_ms: End, milliseconds from the start of the step.
+    """
+
+    name: str
+    start_ms: float
+    end_ms: float
+
+
+class Interval(NamedTuple):
+    """One run of a block.
+
+    Attributes:
+        block: The block's name (for a recomputed attention/FFN sub-module: its block's name).
+        kind: ``"forward"``, ``"recompute"`` (a forward run during the backward) or ``"backward"``.
+        start_ms: Start, milliseconds from the start of the step.
+        end_ms: End, milliseconds from the start of the step.
+    """
+
+    block: str
+    kind: str
+    start_ms: float
+    end_ms: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Memory over one training step, with the phases and every block's runs.
+
+    Times are taken under the torch profiler (which slows the step a little); memory is the exact
+    allocation trace (see NOTE [ What a step's peak means ] in ``remat.measure.trace``).
+
+    Attributes:
+        t_ms: Time of every allocation or free, milliseconds from the start of the step.
+        bytes: Bytes allocated above the memory held before the step, after each event.
+        phases: The forward phase (up to the loss) and the backward phase.
+        intervals: Every block run as ``(block, kind, start_ms, end_ms)``, ordered by start.
+        peak_bytes: Peak of the step above the held memory, bytes (the figure ``remat.measure`` reports).
+        duration_ms: Length of the step, milliseconds.
+        held_bytes: Memory held before the step (parameters, gradients, buffers, inputs), bytes.
+        plan: The label of the plan applied while recording (``"none"`` if nothing was applied).
+        device: ``"cpu"`` or ``"cuda"``.
+    """
+
+    schema_version: ClassVar[int] = 1
+
+    t_ms: tuple[float, ...]
+    bytes: tuple[int, ...]
+    phases: tuple[Phase, ...]
+    intervals: tuple[Interval, ...]
+    peak_bytes: int
+    duration_ms: float
+    held_bytes: int
+    plan: str
+    device: str
+
+    @property
+    def peak_ms(self) -> float:
+        """When the recorded level first reaches its highest value, milliseconds (0.0 for an empty trace)."""
+        if not self.bytes:
+            return 0.0
+        top = max(self.bytes)
+        return self.t_ms[self.bytes.index(top)]
+
+    def runs(self, kind: str) -> dict[str, int]:
+        """How many intervals of ``kind`` each block has (blocks without any are left out)."""
+        out: dict[str, int] = {}
+        for iv in self.intervals:
+            if iv.kind == kind:
+                out[iv.block] = out.get(iv.block, 0) + 1
+        return out
+
+    def to_json(self) -> str:
+        """Serialise to a JSON string (with ``schema_version``)."""
+        data = asdict(self)
+        data["phases"] = [list(p) for p in self.phases]
+        data["intervals"] = [list(iv) for iv in self.intervals]
+        return json.dumps({"schema_version": self.schema_version, **data})
+
+    @classmethod
+    def from_json(cls, text: str) -> Timeline:
+        """Read a timeline written by :meth:`to_json`.
+
+        Raises:
+            RematError: If the text is not a timeline of this schema version.
+        """
+        data = json.loads(text)
+        found = data.pop("schema_version", None) if isinstance(data, dict) else type(data).__name__
+        if found != cls.schema_version:
+            raise RematError(
+                f"timeline json: schema_version {found!r} is not {cls.schema_version}; record the timeline again with this remat"
+            )
+        return cls(
+            t_ms=tuple(float(t) for t in data["t_ms"]),
+            bytes=tuple(int(b) for b in data["bytes"]),
+            phases=tuple(Phase(str(n), float(a), float(b)) for n, a, b in data["phases"]),
+            intervals=tuple(Interval(str(n), str(k), float(a), float(b)) for n, k, a, b in data["intervals"]),
+            peak_bytes=int(data["peak_bytes"]),
+            duration_ms=float(data["duration_ms"]),
+            held_bytes=int(data["held_bytes"]),
+            plan=str(data["plan"]),
+            device=str(data["device"]),
+        )
+
+
+def _runs_for_real(module: nn.Module) -> bool:
+    # NOTE [ Real forward runs ]
+    return "_remat_role" not in module.__dict__ or _runtime._LOCAL.direct is module
+
+
+def timeline(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor],
+    *,
+    blocks: Sequence[Block] | None = None,
+    warmup: int = 1,
+) -> Timeline:
+    """Record memory over one training step of the model as it is (checkpointed or not).
+
+    Runs ``warmup`` plain steps (they allocate the parameter gradients), then one step under the torch
+    profiler with a marker at every block boundary. The model is left exactly as it was: gradients,
+    buffers, RNG state, train/eval mode and any plan applied to it.
+
+    Args:
+        model: The model, with or without a remat plan applied.
+        inputs: A tensor, a tuple of positional arguments or a dict of keyword arguments.
+        loss_fn: Maps the model's output to a scalar loss.
+        blocks: The blocks whose runs to mark (default: the applied plan's, else ``remat.blocks(model)``).
+        warmup: Untimed steps first, >= 1.
+
+    Returns:
+        The :class:`Timeline`; its ``peak_bytes`` is the figure ``remat.measure`` reports.
+
+    Raises:
+        RematError: For ``warmup`` < 1, a loss that is not a scalar, or when the profiler loses markers.
+    """
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+        raise RematError(f"timeline: warmup={warmup!r} must be an int >= 1 (it also allocates the parameter gradients)")
+    dev = device_of(model, inputs)
+    block_list = _count_blocks(model, blocks)
+    members = resolve(model, block_list)
+    firsts = [mods[0] for mods in members]
+    sub_modules = [model.get_submodule(f) for b in block_list for f in (*b.attention_fqns, *b.ffn_fqns)]
+    sub_block = [b.name for b in block_list for _ in (*b.attention_fqns, *b.ffn_fqns)]
+    plan = applied(model)
+
+    # Each event is (kind, index, real run); its time is the marker e<sequence number> in the trace.
+    events: list[tuple[str, int, bool]] = []
+
+    def note(kind: str, index: int) -> None:
+        if kind in ("f", "s"):
+            return  # ends come from the hooks below (NOTE [ Real forward runs ])
+        real = True
+        if kind == "F":
+            real = _runs_for_real(firsts[index])
+        elif kind == "S":
+            real = _runs_for_real(sub_modules[index])
+        events.append((kind, index, real))
+        mark(f"e{len(events) - 1}")
+
+    def ended(kind: str, index: int, last: bool) -> Callable[..., None]:
+        def hook(_mod: nn.Module, _args: Any, result: Any) -> None:
+            if last or result is None:  # None: the forward raised (an early-stopped recomputation)
+                note(kind, index)
+
+        return hook
+
+    def marked_loss(out: Any) -> torch.Tensor:
+        loss = loss_fn(out)
+        note("L", 0)  # train_step calls backward right after the loss
+        return loss
+
+    def step() -> None:
+        zero_grads(model)
+        train_step(model, inputs, marked_loss)
+
+    with preserved(model, inputs):
+        for _ in range(warmup):
+            zero_grads(model)
+            train_step(model, inputs, loss_fn)
+        held = held_bytes(model, inputs)
+        handles = [
+            m.register_forward_hook(ended("E", i, k == len(mods) - 1), always_call=True)
+            for i, mods in enumerate(members)
+            for k, m in enumerate(mods)
+        ]
+        handles += [m.register_forward_hook(ended("X", j, True), always_call=True) for j, m in enumerate(sub_modules)]
+        try:
+            with probe(model, block_list, note):
+                trace = record_memory(step, dev)
+        finally:
+            for h in handles:
+                h.remove()
+
+    stamps = trace.mark_times()
+    try:
+        times_ms = [stamps[f"e{seq}"][0] / 1e6 for seq in range(len(events))]
+    except KeyError:
+        raise RematError("timeline: the profiler lost remat's block markers; run with no other profiler active") from None
+    duration_ms = trace.duration_ns / 1e6
+    intervals = _intervals(events, times_ms, [b.name for b in block_list], sub_block, duration_ms)
+    loss_ms = next((t for (kind, _, _), t in zip(events, times_ms) if kind == "L"), duration_ms)
+    return Timeline(
+        t_ms=tuple(t / 1e6 for t in trace.t_ns),
+        bytes=trace.level_bytes,
+        phases=(Phase("forward", 0.0, loss_ms), Phase("backward", loss_ms, duration_ms)),
+        intervals=intervals,
+        peak_bytes=trace.peak_bytes,
+        duration_ms=duration_ms,
+        held_bytes=held,
+        plan=plan.strategy if plan is not None else "none",
+        device=trace.device,
+    )
+
+
+def _intervals(
+    events: list[tuple[str, int, bool]],
+    times_ms: list[float],
+    names: list[str],
+    sub_block: list[str],
+    duration_ms: float,
+) -> tuple[Interval, ...]:
+    """Pair the boundaries into intervals (see NOTE [ Real forward runs ])."""
+    out: list[Interval] = []
+    open_runs: dict[tuple[str, int], list[tuple[float, bool]]] = {}
+    bwd_start: dict[int, float] = {}
+    bwd_end: dict[int, float] = {}
+    in_backward = False
+    for (kind, i, real), t in zip(events, times_ms):
+        if kind == "L":
+            in_backward = True
+        elif kind in ("F", "S"):
+            open_runs.setdefault((kind, i), []).append((t, real))
+        elif kind in ("E", "X"):
+            stack = open_runs.get(("F" if kind == "E" else "S", i))
+            if not stack:
+                continue
+            start, was_real = stack.pop()
+            if not was_real or (kind == "X" and not in_backward):
+                continue  # a dispatch or pass-through; a sub-module's own forward is inside its block's
+            name = names[i] if kind == "E" else sub_block[i]
+            out.append(Interval(name, "recompute" if in_backward else "forward", start, t))
+        elif kind == "B":
+            bwd_start.setdefault(i, t)
+        elif kind == "b":
+            bwd_end.setdefault(i, t)
+    for i, start in bwd_start.items():
+        # A block whose input needs no gradient reports no end of backward: it lasts to the end of the step.
+        out.append(Interval(names[i], "backward", start, bwd_end.get(i, duration_ms)))
+    out.sort(key=lambda iv: (iv.start_ms, INTERVAL_KINDS.index(iv.kind)))
+    return tuple(out)
