@@ -158,24 +158,33 @@ def _make(model: nn.Module, groups: Sequence[tuple[str, ...]]) -> tuple[Block, .
     return tuple(out)
 
 
+def _run_key(module: nn.Module) -> tuple[type, frozenset[type]]:
+    # Same class and the same kinds of children: ResNet stages (Sequentials of blocks) match each
+    # other but not the stem (a Sequential of conv, norm, activation).
+    return type(module), frozenset(type(c) for c in module.children())
+
+
 def _default_groups(model: nn.Module) -> list[tuple[str, ...]]:
     # The longest run of consecutive children sharing a class (transformer layers, ResNet stages,
-    # Sequential children); ties go to the shallower container, then the first one found.
-    best: tuple[int, int, list[str]] = (0, 0, [])
+    # Sequential children). Runs of composite modules beat runs of leaves (two embeddings are not
+    # layers); then the longer run; then the shallower container; then the first found.
+    best: tuple[tuple[int, int, int], list[str]] = ((0, 0, 0), [])
     for prefix, container in model.named_modules():
         depth = prefix.count(".") + 1 if prefix else 0
         children = list(container.named_children())
         i = 0
         while i < len(children):
             j = i
-            while j + 1 < len(children) and type(children[j + 1][1]) is type(children[i][1]):
+            while j + 1 < len(children) and _run_key(children[j + 1][1]) == _run_key(children[i][1]):
                 j += 1
             run = [f"{prefix}.{n}" if prefix else n for n, _ in children[i : j + 1]]
-            if (len(run), -depth) > (best[0], -best[1]):
-                best = (len(run), depth, run)
+            composite = int(any(True for _ in children[i][1].children()))
+            score = (composite, len(run), -depth) if len(run) >= 2 else (0, 0, 0)
+            if score > best[0]:
+                best = (score, run)
             i = j + 1
-    if best[0] >= 2:
-        return [(f,) for f in best[2]]
+    if best[1]:
+        return [(f,) for f in best[1]]
     roots = [n for n, _ in model.named_children()]
     if len(roots) >= 2:
         return [(n,) for n in roots]
@@ -248,14 +257,16 @@ def blocks(
     """Find the checkpointable blocks of a model.
 
     With no selector, the blocks are the longest run of repeated children (the layers of a
-    transformer, the stages of a ResNet, the children of a Sequential). ``include``, ``types`` and
+    transformer, the stages of a ResNet, the children of a Sequential): consecutive siblings of one
+    class with the same kinds of children, runs of composite modules before runs of leaves, longer
+    runs first, then the shallower. ``include``, ``types`` and
     ``filter`` may be combined (a module must satisfy all given); only the outermost matching modules
     become blocks. ``named`` groups consecutive sibling modules into blocks, as NNTrainer's
     ``addCheckpointBlock``.
 
     Args:
         model: Any module.
-        include: FQN glob pattern(s), e.g. ``"layers.*"`` (``fnmatch`` syntax).
+        include: FQN glob pattern(s), e.g. ``"layers.*"`` (``fnmatch`` syntax: ``*`` also matches dots).
         types: Module class(es) to select.
         filter: ``(module, fqn) -> bool`` choosing modules.
         named: Groups of module FQNs; each group is one block (a single name is a one-module block).

@@ -190,7 +190,7 @@ def timeline(
     members = resolve(model, block_list)
     firsts = [mods[0] for mods in members]
     sub_modules = [model.get_submodule(f) for b in block_list for f in (*b.attention_fqns, *b.ffn_fqns)]
-    sub_block = [b.name for b in block_list for _ in (*b.attention_fqns, *b.ffn_fqns)]
+    sub_block = [i for i, b in enumerate(block_list) for _ in (*b.attention_fqns, *b.ffn_fqns)]
     plan = applied(model)
 
     # Each event is (kind, index, real run); its time is the marker e<sequence number> in the trace.
@@ -248,7 +248,7 @@ def timeline(
         raise RematError("timeline: the profiler lost remat's block markers; run with no other profiler active") from None
     duration_ms = trace.duration_ns / 1e6
     intervals = _intervals(events, times_ms, [b.name for b in block_list], sub_block, duration_ms)
-    loss_ms = next((t for (kind, _, _), t in zip(events, times_ms) if kind == "L"), duration_ms)
+    loss_ms = next((t for (kind, _, _), t in zip(events, times_ms, strict=True) if kind == "L"), duration_ms)
     return Timeline(
         t_ms=tuple(t / 1e6 for t in trace.t_ns),
         bytes=trace.level_bytes,
@@ -266,7 +266,7 @@ def _intervals(
     events: list[tuple[str, int, bool]],
     times_ms: list[float],
     names: list[str],
-    sub_block: list[str],
+    sub_block: list[int],
     duration_ms: float,
 ) -> tuple[Interval, ...]:
     """Pair the boundaries into intervals (see NOTE [ Real forward runs ])."""
@@ -275,7 +275,7 @@ def _intervals(
     bwd_start: dict[int, float] = {}
     bwd_end: dict[int, float] = {}
     in_backward = False
-    for (kind, i, real), t in zip(events, times_ms):
+    for (kind, i, real), t in zip(events, times_ms, strict=True):
         if kind == "L":
             in_backward = True
         elif kind in ("F", "S"):
@@ -285,10 +285,15 @@ def _intervals(
             if not stack:
                 continue
             start, was_real = stack.pop()
-            if not was_real or (kind == "X" and not in_backward):
-                continue  # a dispatch or pass-through; a sub-module's own forward is inside its block's
-            name = names[i] if kind == "E" else sub_block[i]
-            out.append(Interval(name, "recompute" if in_backward else "forward", start, t))
+            if not was_real:
+                continue  # a dispatch or a pass-through
+            if kind == "X":
+                block = sub_block[i]
+                if not in_backward or any(real for _, real in open_runs.get(("F", block), [])):
+                    continue  # the sub-module ran inside its block's own run
+                out.append(Interval(names[block], "recompute", start, t))
+            else:
+                out.append(Interval(names[i], "recompute" if in_backward else "forward", start, t))
         elif kind == "B":
             bwd_start.setdefault(i, t)
         elif kind == "b":

@@ -8,6 +8,7 @@ into plan operations (``ops``) and describes itself (``summary``). Strategies th
 from __future__ import annotations
 
 import ast
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -21,6 +22,8 @@ from remat.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
     from remat.profile.types import Profile
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Strategy",
@@ -216,6 +219,12 @@ class _Dynamic(Strategy):
         for k in range(max(n, self.min_interval), self.min_interval - 1, -1):
             if _retained(prof, frozenset(range(0, n, k))) <= target:
                 return k
+        log.warning(
+            "strategy dynamic: no interval >= %d keeps the activations within %.0f%%; using interval %d",
+            self.min_interval,
+            self.memory_fraction * 100,
+            self.min_interval,
+        )
         return self.min_interval
 
     def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:

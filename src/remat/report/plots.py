@@ -1,0 +1,500 @@
+"""Charts as PNG/SVG files: memory timelines, the trade-off, a per-block heatmap and a comparison.
+
+matplotlib is an optional extra (``pip install 'remat[plot]'``), imported only inside these functions.
+Figures are drawn on matplotlib's Agg canvas directly (``matplotlib.figure.Figure``, no pyplot), so
+plotting needs no display, leaves the caller's pyplot state alone and never opens a window.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from remat.errors import MissingExtraError, RematError
+from remat.measure.compare import BenchResult, BenchRow
+from remat.measure.timeline import Timeline
+from remat.plan.chain import Keep, Op, Recompute, RecomputeSub
+from remat.plan.planner import Frontier
+from remat.plan.types import Plan
+from remat.profile.types import Profile
+from remat.units import format_bytes, format_ms
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = [
+    "plot_timelines",
+    "plot_tradeoff",
+    "plot_heatmap",
+    "plot_comparison",
+    "write_charts",
+    "write_bench_plots",
+    "block_decisions",
+    "CHARTS",
+]
+
+log = logging.getLogger(__name__)
+
+CHARTS = ("timeline", "tradeoff", "comparison", "heatmap")
+"""The chart names :func:`write_charts` writes, each to ``<name>.png``."""
+
+_FORMATS = (".png", ".svg")
+_KIND_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "recompute": "#C44E52"}
+_PHASE_COLORS = {"forward": "#EEF2F8", "backward": "#FBF0E8"}
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p", "d", "8")
+
+
+def _require_matplotlib() -> None:
+    """Raises MissingExtraError unless matplotlib can be imported."""
+    try:
+        import matplotlib  # noqa: F401
+        import matplotlib.figure  # noqa: F401
+    except ImportError:
+        raise MissingExtraError(
+            "report: plotting needs matplotlib, which is not installed; pip install 'remat[plot]'"
+        ) from None
+
+
+def _figure(width_in: float, height_in: float) -> Figure:
+    """A new figure (inches) on the Agg canvas.
+
+    Raises:
+        MissingExtraError: If matplotlib is not installed.
+    """
+    _require_matplotlib()
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width_in, height_in), dpi=110, layout="constrained")
+
+
+def _target(path: str | Path) -> Path:
+    out = Path(path)
+    if out.suffix.lower() not in _FORMATS:
+        raise RematError(f"report: cannot write a chart to {str(out)!r}; give a file name ending in {' or '.join(_FORMATS)}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.savefig(path, facecolor="white")
+    log.info("wrote %s", path)
+    return path
+
+
+def bytes_unit(largest_bytes: float) -> tuple[float, str]:
+    """The divisor and unit name to show sizes up to ``largest_bytes`` (bytes): KiB, MiB or GiB."""
+    if largest_bytes >= 2**30:
+        return 2.0**30, "GiB"
+    if largest_bytes >= 2**20:
+        return 2.0**20, "MiB"
+    return 2.0**10, "KiB"
+
+
+def time_unit(largest_ms: float) -> tuple[float, str]:
+    """The divisor and unit name to show durations up to ``largest_ms`` (milliseconds): ms or s."""
+    return (1000.0, "s") if largest_ms >= 1000 else (1.0, "ms")
+
+
+def plot_timelines(timelines: Sequence[Timeline], path: str | Path) -> Path:
+    """Memory over one training step for several plans, overlaid.
+
+    The upper panel draws each plan's allocated bytes against time, with its peak annotated and a
+    dashed line where its backward starts; the lower panel has one lane per plan with the forward and
+    backward phases shaded and every block's forward, backward and recompute drawn as a band.
+
+    Args:
+        timelines: From ``remat.timeline``, e.g. of the plain model and of a plan.
+        path: The file to write, ``.png`` or ``.svg``.
+
+    Returns:
+        The path written.
+
+    Raises:
+        RematError: If ``timelines`` is empty or the file type is not PNG/SVG.
+        MissingExtraError: If matplotlib is not installed.
+    """
+    if not timelines:
+        raise RematError("report: plot_timelines needs at least one timeline; record one with remat.timeline(...)")
+    out = _target(path)
+    lanes = len(timelines)
+    fig = _figure(11.0, 5.2 + 0.55 * lanes)
+    grid = fig.add_gridspec(2, 1, height_ratios=[4.0, 0.45 + 0.5 * lanes])
+    ax = fig.add_subplot(grid[0])
+    band = fig.add_subplot(grid[1], sharex=ax)
+    colors = [f"C{i}" for i in range(lanes)]
+    top = max(max([*tl.bytes, tl.peak_bytes, 1]) for tl in timelines)
+    b_div, b_unit = bytes_unit(top)
+    t_div, t_unit = time_unit(max(tl.duration_ms for tl in timelines))
+    for tl, color in zip(timelines, colors, strict=True):
+        xs = [0.0, *(t / t_div for t in tl.t_ms), tl.duration_ms / t_div]
+        level = [0, *tl.bytes]
+        ys = [v / b_div for v in (*level, level[-1])]
+        ax.plot(xs, ys, drawstyle="steps-post", color=color, linewidth=1.4, label=f"{tl.plan}: peak {format_bytes(tl.peak_bytes)}")
+        ax.fill_between(xs, ys, step="post", color=color, alpha=0.07)
+        peak_y = (max(tl.bytes) if tl.bytes else 0) / b_div
+        ax.plot([tl.peak_ms / t_div], [peak_y], marker="v", color=color, markersize=8, zorder=5)
+        ax.annotate(
+            f"peak {format_bytes(tl.peak_bytes)}",
+            xy=(tl.peak_ms / t_div, peak_y),
+            xytext=(6, 6),
+            textcoords="offset points",
+            color=color,
+            fontsize=9,
+            fontweight="bold",
+        )
+        backward = next((p for p in tl.phases if p.name == "backward"), None)
+        if backward is not None:
+            ax.axvline(backward.start_ms / t_div, color=color, linestyle="--", linewidth=0.9, alpha=0.7)
+    ax.set_ylim(0, top / b_div * 1.15)
+    ax.set_xlim(0, max(tl.duration_ms for tl in timelines) / t_div)
+    held = timelines[0].held_bytes
+    ax.set_ylabel(f"memory allocated above the\n{format_bytes(held)} held before the step ({b_unit})")
+    ax.set_title(f"Memory over one training step ({timelines[0].device}); dashed: backward starts", loc="left")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", fontsize=9, framealpha=0.9)
+    ax.tick_params(labelbottom=False)
+    _draw_lanes(band, timelines, t_div)
+    band.set_xlabel(f"time since the step started ({t_unit})")
+    return _save(fig, out)
+
+
+def _draw_lanes(band: Axes, timelines: Sequence[Timeline], t_div: float) -> None:
+    from matplotlib.patches import Patch
+
+    lanes = len(timelines)
+    for lane, tl in enumerate(timelines):
+        y0 = lanes - 1 - lane  # the first timeline on top
+        for phase in tl.phases:
+            band.broken_barh(
+                [(phase.start_ms / t_div, (phase.end_ms - phase.start_ms) / t_div)],
+                (y0 + 0.05, 0.9),
+                facecolors=_PHASE_COLORS.get(phase.name, "#F4F4F4"),
+            )
+        for iv in tl.intervals:
+            # Forward and backward fill the upper part of the lane; recomputes (inside a backward) the lower.
+            y, h = (y0 + 0.12, 0.36) if iv.kind == "recompute" else (y0 + 0.52, 0.36)
+            band.broken_barh(
+                [(iv.start_ms / t_div, max(iv.end_ms - iv.start_ms, 0.0) / t_div)],
+                (y, h),
+                facecolors=_KIND_COLORS.get(iv.kind, "grey"),
+                edgecolors="white",
+                linewidth=0.6,
+            )
+    band.set_ylim(0, lanes)
+    band.set_yticks([lanes - 1 - i + 0.5 for i in range(lanes)], [_shorten(tl.plan, 22) for tl in timelines], fontsize=9)
+    band.grid(True, axis="x", alpha=0.3)
+    handles = [Patch(color=c, label=f"block {k}") for k, c in _KIND_COLORS.items()]
+    handles += [Patch(color=c, label=f"{k} phase") for k, c in _PHASE_COLORS.items()]
+    band.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.45 - 0.1 / lanes), ncol=5, fontsize=8, frameon=False)
+
+
+def _shorten(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def plot_tradeoff(result: BenchResult, frontier: Frontier, path: str | Path) -> Path:
+    """Measured peak against measured step time for every strategy, with the optimal frontier.
+
+    Each bench row is one marker (measured figures); the frontier is drawn as a step line through the
+    optimal plans' *predicted* points: predicted peak against the baseline step plus the predicted
+    recompute time. Points below and left of the line would beat the solver.
+
+    Args:
+        result: From ``remat.measure.compare.compare`` (``remat bench``).
+        frontier: From ``remat.frontier(profile)`` on the same model.
+        path: The file to write, ``.png`` or ``.svg``.
+
+    Returns:
+        The path written.
+
+    Raises:
+        RematError: If the result has no rows or the file type is not PNG/SVG.
+        MissingExtraError: If matplotlib is not installed.
+    """
+    _check_rows(result)
+    out = _target(path)
+    fig = _figure(11.0, 6.0)
+    ax = fig.add_subplot()
+    fx = [frontier.baseline_step_ms + p.extra_ms for p in frontier.points]
+    fy = [p.peak_bytes for p in frontier.points]
+    top_bytes = max([r.peak_bytes for r in result.rows] + fy + [1])
+    b_div, b_unit = bytes_unit(top_bytes)
+    t_div, t_unit = time_unit(max([r.step_ms for r in result.rows] + fx + [0.0]))
+    if frontier.points:
+        order = sorted(range(len(fx)), key=lambda i: fx[i])
+        xs = [fx[i] / t_div for i in order]
+        ys = [fy[i] / b_div for i in order]
+        ax.plot(xs, ys, drawstyle="steps-post", color="black", linewidth=1.2, alpha=0.8, label="optimal frontier (predicted)", zorder=2)
+        ax.scatter(xs, ys, s=14, color="black", alpha=0.6, zorder=2)
+    for i, r in enumerate(result.rows):
+        ax.scatter(
+            [r.step_ms / t_div],
+            [r.peak_bytes / b_div],
+            s=70,
+            marker=_MARKERS[i % len(_MARKERS)],
+            color=f"C{i % 10}",
+            edgecolors="black" if r.label.startswith(("optimal", "knapsack")) else "none",
+            linewidths=1.2,
+            label=f"{r.label}: {format_bytes(r.peak_bytes)}, {format_ms(r.step_ms)}",
+            zorder=3,
+        )
+    ax.set_xlabel(f"measured step time, forward + backward ({t_unit})")
+    ax.set_ylabel(f"measured peak memory above the\n{format_bytes(result.held_bytes)} held before the step ({b_unit})")
+    ax.set_title(f"Memory against time: every strategy measured ({result.device})", loc="left")
+    ax.set_ylim(0, top_bytes / b_div * 1.08)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    return _save(fig, out)
+
+
+def _check_rows(result: BenchResult) -> None:
+    if not result.rows:
+        raise RematError("report: the bench result has no rows; measure at least one plan with compare(...)")
+
+
+def _sub_label(plan: Plan, op: RecomputeSub) -> str:
+    block = plan.blocks[op.index]
+    if block.attention_fqns and set(op.fqns) == set(block.attention_fqns):
+        return "attn"
+    if block.ffn_fqns and set(op.fqns) == set(block.ffn_fqns):
+        return "ffn"
+    return "sub"
+
+
+def block_decisions(plan: Plan) -> list[str]:
+    """What the plan does with each block: ``keep``, ``recompute`` (``recompute x2`` when nested twice),
+    or ``attn``/``ffn``/``sub`` when only those sub-modules are recomputed."""
+    runs = [0] * len(plan.blocks)
+    labels = ["keep"] * len(plan.blocks)
+
+    def walk(ops: Sequence[Op], depth: int) -> None:
+        for op in ops:
+            if isinstance(op, Recompute):
+                for k in range(op.start, op.stop):
+                    runs[k] = max(runs[k], depth + 1)
+                walk(op.inner, depth + 1)
+            elif isinstance(op, RecomputeSub):
+                labels[op.index] = _sub_label(plan, op)
+            elif isinstance(op, Keep):
+                pass
+
+    walk(plan.ops, 0)
+    for k, r in enumerate(runs):
+        if r == 1:
+            labels[k] = "recompute"
+        elif r > 1:
+            labels[k] = f"recompute x{r}"
+    return labels
+
+
+def plot_heatmap(profile: Profile, plan: Plan, path: str | Path) -> Path:
+    """Per-block heatmap: bytes each block saves for backward, its recompute time, and the plan's decision.
+
+    Args:
+        profile: From ``remat.profile``.
+        plan: A plan for the profile's blocks (``remat.plan``).
+        path: The file to write, ``.png`` or ``.svg``.
+
+    Returns:
+        The path written.
+
+    Raises:
+        RematError: If the plan has a different number of blocks than the profile, or for a bad file type.
+        MissingExtraError: If matplotlib is not installed.
+    """
+    n = len(profile.blocks)
+    if len(plan.blocks) != n:
+        raise RematError(
+            f"report: the plan ({plan.strategy}) has {len(plan.blocks)} blocks but the profile has {n}; "
+            "plan on this profile (remat.plan(profile, ...))"
+        )
+    out = _target(path)
+    _require_matplotlib()
+    from matplotlib.colors import ListedColormap
+
+    saved = [bp.saved_bytes for bp in profile.block_profiles]
+    recompute_ms = [bp.fwd_ms for bp in profile.block_profiles]
+    decisions = block_decisions(plan)
+    b_div, b_unit = bytes_unit(max(saved + [1]))
+    t_div, t_unit = time_unit(max(recompute_ms + [0.0]))
+    width = min(22.0, max(8.0, 2.5 + 0.62 * n))
+    fig = _figure(width, 4.2)
+    axes = fig.subplots(3, 1, sharex=True)
+    rows: list[tuple[str, list[float], str, list[str]]] = [
+        (f"saved for\nbackward ({b_unit})", [s / b_div for s in saved], "Blues", [f"{s / b_div:.3g}" for s in saved]),
+        (f"recompute\ntime ({t_unit})", [t / t_div for t in recompute_ms], "Oranges", [f"{t / t_div:.3g}" for t in recompute_ms]),
+    ]
+    annotate = n <= 40
+    fontsize = 8 if n <= 16 else 6.5
+    for ax, (label, values, cmap, texts) in zip(axes, rows, strict=False):
+        hi = max(values + [1e-12])
+        ax.imshow([values], cmap=cmap, vmin=0, vmax=hi * 1.15, aspect="auto")
+        ax.set_yticks([0], [label], fontsize=9)
+        if annotate:
+            for k, (v, txt) in enumerate(zip(values, texts, strict=True)):
+                ax.text(k, 0, txt, ha="center", va="center", fontsize=fontsize, color="white" if v > 0.65 * hi else "black")
+    kinds = sorted(set(decisions), key=lambda d: (d != "keep", d))
+    colors = [_decision_color(k) for k in kinds]
+    ax = axes[2]
+    ax.imshow([[kinds.index(d) for d in decisions]], cmap=ListedColormap(colors), vmin=-0.5, vmax=len(kinds) - 0.5, aspect="auto")
+    ax.set_yticks([0], ["plan's\ndecision"], fontsize=9)
+    if annotate:
+        for k, d in enumerate(decisions):
+            ax.text(k, 0, d.replace("recompute", "recomp."), ha="center", va="center", fontsize=fontsize, color="black" if d == "keep" else "white")
+    names = [b.name for b in profile.blocks]
+    ax.set_xticks(range(n), names, rotation=45 if n > 6 else 0, ha="right" if n > 6 else "center", fontsize=8)
+    for a in axes:
+        a.set_xticks([k + 0.5 for k in range(n - 1)], minor=True)
+        a.grid(True, which="minor", color="white", linewidth=1.5)
+        a.tick_params(which="minor", length=0)
+    ax.set_xlabel("block, in forward order")
+    checkpointed = len(plan.checkpointed)
+    axes[0].set_title(
+        f"Per block: {plan.strategy} recomputes {checkpointed}/{n} blocks"
+        + (f" (predicted peak {format_bytes(plan.predicted_peak_bytes)})" if plan.predicted_peak_bytes is not None else ""),
+        loc="left",
+    )
+    return _save(fig, out)
+
+
+_DECISION_COLORS = {"keep": "#D9D9D9", "recompute": "#C44E52", "attn": "#E8B04B", "ffn": "#8C6BB1", "sub": "#7F9F5F"}
+_NESTED_COLORS = ("#8E1B1F", "#5C0F12", "#3A080A")  # recomputed twice, three times, more
+
+
+def _decision_color(decision: str) -> str:
+    if decision.startswith("recompute x"):
+        times = int(decision.removeprefix("recompute x"))
+        return _NESTED_COLORS[min(times - 2, len(_NESTED_COLORS) - 1)]
+    return _DECISION_COLORS.get(decision, "grey")
+
+
+def plot_comparison(result: BenchResult, path: str | Path) -> Path:
+    """Bars of measured peak memory and step time per strategy, with the baseline (first row) marked.
+
+    Args:
+        result: From ``remat.measure.compare.compare`` (``remat bench``).
+        path: The file to write, ``.png`` or ``.svg``.
+
+    Returns:
+        The path written.
+
+    Raises:
+        RematError: If the result has no rows or the file type is not PNG/SVG.
+        MissingExtraError: If matplotlib is not installed.
+    """
+    _check_rows(result)
+    out = _target(path)
+    rows = result.rows
+    fig = _figure(12.0, 1.6 + 0.36 * len(rows))
+    mem_ax, time_ax = fig.subplots(1, 2, sharey=True)
+    b_div, b_unit = bytes_unit(max(r.peak_bytes for r in rows))
+    t_div, t_unit = time_unit(max(r.step_ms for r in rows))
+    ys = list(range(len(rows)))
+    colors = [_row_color(i, r) for i, r in enumerate(rows)]
+    base = rows[0]
+    for ax, values, div, baseline, fmt in (
+        (mem_ax, [r.peak_bytes for r in rows], b_div, base.peak_bytes, format_bytes),
+        (time_ax, [r.step_ms for r in rows], t_div, base.step_ms, format_ms),
+    ):
+        scaled = [v / div for v in values]
+        ax.barh(ys, scaled, color=colors, height=0.7)
+        ax.axvline(baseline / div, color="black", linestyle="--", linewidth=1.0, label=f"baseline ({base.label})")
+        top = max(scaled + [1e-12])
+        for y, v, raw in zip(ys, scaled, values, strict=True):
+            ax.text(v + top * 0.01, y, fmt(raw), va="center", fontsize=8)
+        ax.set_xlim(0, top * 1.22)
+        ax.grid(True, axis="x", alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    mem_ax.set_yticks(ys, [r.label for r in rows], fontsize=9)
+    mem_ax.invert_yaxis()
+    mem_ax.set_xlabel(f"measured peak memory above the {format_bytes(result.held_bytes)} held ({b_unit})")
+    time_ax.set_xlabel(f"measured step time, median of {result.rounds} rounds ({t_unit})")
+    mem_ax.set_title("Peak memory (lower is better)", loc="left")
+    time_ax.set_title("Step time (lower is better)", loc="left")
+    return _save(fig, out)
+
+
+def _row_color(i: int, row: BenchRow) -> str:
+    if i == 0:
+        return "#8C8C8C"
+    if row.label.startswith(("optimal", "knapsack")):
+        return "#55A868"
+    if row.budget_bytes is not None and row.peak_bytes > row.budget_bytes:
+        return "#C44E52"
+    return "#4C72B0"
+
+
+def write_charts(
+    directory: str | Path,
+    *,
+    profile: Profile,
+    plan: Plan,
+    result: BenchResult,
+    frontier: Frontier,
+    timelines: Sequence[Timeline],
+) -> dict[str, Path]:
+    """Write the four charts as ``<name>.png`` into ``directory`` (created if missing).
+
+    Args:
+        directory: Where to write.
+        profile: From ``remat.profile``.
+        plan: The chosen plan (for the heatmap).
+        result: The bench of every strategy.
+        frontier: From ``remat.frontier(profile)``.
+        timelines: Of the plain model and of plans, overlaid in one chart.
+
+    Returns:
+        Each chart's name (one of :data:`CHARTS`) and path.
+    """
+    d = Path(directory)
+    return {
+        "timeline": plot_timelines(timelines, d / "timeline.png"),
+        "tradeoff": plot_tradeoff(result, frontier, d / "tradeoff.png"),
+        "comparison": plot_comparison(result, d / "comparison.png"),
+        "heatmap": plot_heatmap(profile, plan, d / "heatmap.png"),
+    }
+
+
+def _heatmap_plan(result: BenchResult, profile: Profile) -> Plan:
+    """The optimal plan of the bench that fits its budget most tightly (else ``full``), re-solved on ``profile``."""
+    from remat.plan.planner import plan as make_plan
+    from remat.plan.strategies import full
+
+    solved = [r for r in result.rows if r.label.startswith("optimal") and r.budget_bytes is not None]
+    fitting = [r for r in solved if r.budget_bytes is not None and r.peak_bytes <= r.budget_bytes]
+    pick: Any = min(fitting or solved, key=lambda r: r.budget_bytes, default=None)
+    if pick is None:
+        return make_plan(profile, strategy=full())
+    chosen = make_plan(profile, pick.budget_bytes, solver="optimal")
+    return Plan(**{**chosen.__dict__, "strategy": pick.label})
+
+
+def write_bench_plots(result: BenchResult, profile: Profile, directory: str | Path) -> list[Path]:
+    """The charts of ``remat bench --plots DIR``: trade-off, comparison and a per-block heatmap.
+
+    The heatmap shows the optimal plan of the bench whose budget is the tightest one its measured peak
+    fits (any optimal plan if none fits), else ``full``.
+
+    Args:
+        result: The bench.
+        profile: The profile the bench's plans were made from (for the frontier and the heatmap).
+        directory: Where to write ``tradeoff.png``, ``comparison.png`` and ``heatmap.png`` (created if missing).
+
+    Returns:
+        The paths written.
+
+    Raises:
+        MissingExtraError: If matplotlib is not installed.
+    """
+    from remat.plan.planner import frontier
+
+    _require_matplotlib()
+    d = Path(directory)
+    return [
+        plot_tradeoff(result, frontier(profile), d / "tradeoff.png"),
+        plot_comparison(result, d / "comparison.png"),
+        plot_heatmap(profile, _heatmap_plan(result, profile), d / "heatmap.png"),
+    ]

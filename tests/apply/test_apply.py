@@ -1,0 +1,299 @@
+"""remat.apply / remat.remove: gradients bitwise equal, forward counts, exact restoration."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.errors import PlanMismatchError, RematError
+from remat.models import Workload, workload
+from remat.plan.chain import Keep, Recompute
+from remat.plan.strategies import bench_strategies
+from remat.plan.types import Plan
+
+from ..conftest import TinyNet, tiny_net_workload
+
+
+def grads_after_step(w: Workload, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Parameter gradients (and the loss) of one step from a fixed RNG state: the oracle's input."""
+    w.model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = w.model(w.inputs) if isinstance(w.inputs, torch.Tensor) else w.model(*w.inputs)
+    loss = w.loss_fn(out)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in w.model.named_parameters() if p.grad is not None}
+    grads["loss"] = loss.detach().clone()
+    w.model.zero_grad(set_to_none=True)
+    return grads
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not bad, f"gradients differ: {bad[:5]}"
+
+
+@pytest.mark.parametrize("name", ["small_gpt", "small_mlp"])
+def test_every_strategy_gives_bitwise_equal_gradients(name: str, request: pytest.FixtureRequest) -> None:
+    w: Workload = request.getfixturevalue(name)
+    prof = remat.profile(w.model, w.inputs, w.loss_fn, repeats=1)
+    strategies = bench_strategies(prof.blocks, prof)
+    assert {s.name for s in strategies} >= {"none", "full", "every_nth", "selective", "dynamic", "ratio", "largest", "budget", "segments", "sqrt"}
+    plain = grads_after_step(w)
+    for s in strategies:
+        remat.apply(w.model, s, profile=prof)
+        try:
+            ckpt = grads_after_step(w)
+        finally:
+            remat.remove(w.model)
+        assert_bitwise_equal(plain, ckpt)
+        check = remat.check_gradients(w.model, s, w.inputs, w.loss_fn, profile=prof)
+        assert check.equal and check.exact and check.max_abs_diff == 0.0, s.label
+
+
+def test_gpt_has_dropout_and_the_oracle_can_fail(small_gpt: Workload) -> None:
+    # Dropout is active, so a different RNG state gives different gradients: the comparison can fail.
+    assert any(isinstance(m, nn.Dropout) and m.p > 0 for m in small_gpt.model.modules())
+    a, b = grads_after_step(small_gpt, seed=0), grads_after_step(small_gpt, seed=1)
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_nested_and_segment_plans_give_equal_gradients(small_gpt: Workload) -> None:
+    blocks = remat.blocks(small_gpt.model)
+    nested = Plan("nested", blocks, (Recompute(0, 3, (Keep(0), Recompute(1, 2, (Keep(1),)), Keep(2))), Keep(3)))
+    plain = grads_after_step(small_gpt)
+    remat.apply(small_gpt.model, nested)
+    assert_bitwise_equal(plain, grads_after_step(small_gpt))
+    remat.remove(small_gpt.model)
+
+
+def calls(model: TinyNet) -> list[int]:
+    out = [layer.calls for layer in model.layers]
+    for layer in model.layers:
+        layer.calls = 0
+    return out
+
+
+def run_step(w: Workload) -> None:
+    w.loss_fn(w.model(w.inputs)).backward()
+
+
+def test_forward_counter_checkpointed_twice_kept_once(tiny: Workload) -> None:
+    model: TinyNet = tiny.model  # type: ignore[assignment]
+    run_step(tiny)
+    assert calls(model) == [1, 1, 1, 1, 1]
+    remat.apply(model, remat.selective([1, 3]))
+    run_step(tiny)
+    assert calls(model) == [1, 2, 1, 2, 1]
+    m = remat.measure(model, tiny.inputs, tiny.loss_fn, steps=1)
+    assert m.forward_counts == {"layers.0": 1, "layers.1": 2, "layers.2": 1, "layers.3": 2, "layers.4": 1}
+    calls(model)
+    # Applying again replaces the plan rather than stacking on it.
+    remat.apply(model, remat.selective([0]))
+    run_step(tiny)
+    assert calls(model) == [2, 1, 1, 1, 1]
+
+
+def test_forward_counter_nested_plan(tiny: Workload) -> None:
+    model: TinyNet = tiny.model  # type: ignore[assignment]
+    blocks = remat.blocks(model)
+    # Blocks 0..2 recomputed together; inside that recompute, block 1 is checkpointed again.
+    plan = Plan("nested", blocks, (Recompute(0, 3, (Keep(0), Recompute(1, 2, (Keep(1),)), Keep(2))), Keep(3), Keep(4)))
+    remat.apply(model, plan)
+    run_step(tiny)
+    assert calls(model) == [2, 3, 2, 1, 1]
+    m = remat.measure(model, tiny.inputs, tiny.loss_fn, steps=1)
+    assert list(m.forward_counts.values()) == [2, 3, 2, 1, 1]
+    calls(model)
+    remat.apply(model, remat.segments(2))  # 3 + 2 blocks: the first segment checkpointed
+    run_step(tiny)
+    assert calls(model) == [2, 2, 2, 1, 1]
+
+
+def test_remove_restores_the_model_exactly(tiny: Workload) -> None:
+    model = tiny.model
+    model.eval()
+    params_before = [id(p) for p in model.parameters()]
+    state_before = {k: v.clone() for k, v in model.state_dict().items()}
+    out_before = model(tiny.inputs)
+    remat.apply(model, remat.full())
+    assert remat.applied(model) is not None
+    assert [id(p) for p in model.parameters()] == params_before
+    assert list(model.state_dict()) == list(state_before)
+    with torch.no_grad():
+        assert torch.equal(model(tiny.inputs), out_before)  # no_grad: runs plainly, same result
+    removed = remat.remove(model)
+    assert removed is not None and removed.strategy == "full"
+    assert remat.applied(model) is None and remat.remove(model) is None
+    assert all("forward" not in m.__dict__ and "_remat_role" not in m.__dict__ for m in model.modules())
+    assert [id(p) for p in model.parameters()] == params_before
+    state_after = model.state_dict()
+    assert list(state_after) == list(state_before)
+    assert all(torch.equal(state_after[k], v) for k, v in state_before.items())
+    assert torch.equal(model(tiny.inputs), out_before)
+
+
+def test_remove_keeps_a_users_own_instance_forward(tiny: Workload) -> None:
+    layer = tiny.model.layers[2]  # type: ignore[index]
+    own = layer.forward  # a bound method stored on the instance by the user
+    layer.forward = own
+    remat.apply(tiny.model, remat.full())
+    assert layer.forward is not own
+    remat.remove(tiny.model)
+    assert layer.__dict__["forward"] is own
+
+
+class KwBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor, tag: str = "") -> tuple[torch.Tensor, dict[str, Any]]:
+        y = torch.tanh(self.lin(x)) * scale
+        return y, {"aux": y.sum(), "tag": tag}
+
+
+class KwNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(KwBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        aux = x.new_zeros(())
+        for block in self.blocks:
+            x, extra = block(x, scale=scale, tag="t")
+            assert extra["tag"] == "t"
+            aux = aux + extra["aux"]
+        return x.sum() + aux
+
+
+def test_keyword_arguments_and_tuple_dict_outputs() -> None:
+    torch.manual_seed(0)
+    model = KwNet()
+    x = torch.randn(4, 6, requires_grad=True)
+    scale = torch.rand(6, requires_grad=True)
+
+    def grads() -> list[torch.Tensor]:
+        for t in (x, scale, *model.parameters()):
+            t.grad = None
+        model(x, scale).backward()
+        return [t.grad.clone() for t in (x, scale, *model.parameters())]  # type: ignore[union-attr]
+
+    plain = grads()
+    remat.apply(model, remat.full())
+    ckpt = grads()
+    remat.remove(model)
+    assert all(torch.equal(a, b) for a, b in zip(plain, ckpt))
+    check = remat.check_gradients(model, remat.full(), (x, scale), lambda out: out)
+    assert check.equal and check.compared == 1 + len(list(model.parameters())) + 2  # loss, params, 2 inputs
+
+
+def test_multi_block_segment_on_a_non_chain_model_is_refused() -> None:
+    w = workload("unet", features=(4, 8), image_size=8, batch=1)
+    with pytest.raises(RematError, match=r"downs.1' was called with something other than the output of the module before it"):
+        blocks = remat.blocks(w.model)
+        remat.apply(w.model, Plan("two-block segment", blocks, (Recompute(0, 2, (Keep(0), Keep(1))),)))
+        w.loss_fn(w.model(w.inputs)).backward()
+    remat.remove(w.model)
+    prof = remat.profile(w.model, w.inputs, w.loss_fn, repeats=1)
+    assert not prof.is_chain
+    # The solvers fall back to one block per segment on such a model, and that runs.
+    plan = remat.plan(prof, "90%")
+    assert all(op.stop - op.start == 1 for op in plan.ops if isinstance(op, Recompute))
+    assert remat.check_gradients(w.model, plan, w.inputs, w.loss_fn).equal
+
+
+def test_plan_mismatch() -> None:
+    a = workload("mlp", widths=(8, 16, 8), batch=4)
+    b = workload("mlp", widths=(8, 32, 8), batch=4)
+    plan = remat.plan(remat.profile(a.model, a.inputs, a.loss_fn, repeats=1), strategy=remat.full())
+    with pytest.raises(PlanMismatchError, match=r"made for blocks with fingerprint [0-9a-f]+, but this model's blocks 0..1 give"):
+        remat.apply(b.model, plan)
+    other = workload("gpt", n_layers=1, d_model=8, n_heads=2, seq_len=4, batch=1, vocab_size=16)
+    with pytest.raises(PlanMismatchError, match="does not fit this model"):
+        remat.apply(other.model, plan)
+    with pytest.raises(RematError, match="expected a Plan or a strategy"):
+        remat.apply(a.model, "full")  # type: ignore[arg-type]
+
+
+def test_strategy_needing_sizes_without_profile(tiny: Workload) -> None:
+    with pytest.raises(RematError, match="largest needs measured block sizes; pass profile="):
+        remat.apply(tiny.model, remat.largest(1))
+
+
+def test_plan_json_round_trip_applies(small_mlp: Workload) -> None:
+    prof = remat.profile(small_mlp.model, small_mlp.inputs, small_mlp.loss_fn, repeats=1)
+    plan = remat.plan(prof, "60%")
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert remat.check_gradients(small_mlp.model, again, small_mlp.inputs, small_mlp.loss_fn).equal
+    with pytest.raises(RematError, match="schema_version 99 is not 1"):
+        Plan.from_json(plan.to_json().replace('"schema_version": 1', '"schema_version": 99'))
+
+
+def test_deepcopy_of_an_applied_model_runs_its_own_parameters(tiny: Workload) -> None:
+    tiny.model.eval()  # no dropout: outputs depend on the parameters only
+    remat.apply(tiny.model, remat.full())
+    twin = copy.deepcopy(tiny.model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.add_(1.0)
+    a, b = tiny.model(tiny.inputs), twin(tiny.inputs)
+    assert not torch.equal(a, b)
+    plain = copy.deepcopy(twin)
+    remat.remove(plain)
+    assert torch.equal(b, plain(tiny.inputs))
+
+
+def test_function_checkpoint_and_checkpointed_sequential() -> None:
+    torch.manual_seed(0)
+    layers = [nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 1)]
+    x = torch.randn(3, 5)
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    ckpt = remat.CheckpointedSequential(*copy.deepcopy(layers), segments=2)
+    ref(x).sum().backward()
+    ckpt(x).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), ckpt.parameters()))  # type: ignore[arg-type]
+    assert list(ref.state_dict()) == list(ckpt.state_dict())
+    with pytest.raises(RematError, match=r"segments=9 must be in 1..5"):
+        remat.CheckpointedSequential(*layers, segments=9)
+
+    runs = []
+
+    def fn(a: torch.Tensor, *, w: torch.Tensor) -> torch.Tensor:
+        runs.append(1)
+        return torch.sin(a @ w)
+
+    a = torch.randn(3, 3, requires_grad=True)
+    w = torch.randn(3, 3, requires_grad=True)
+    remat.checkpoint(fn, a, w=w).sum().backward()
+    g = (a.grad.clone(), w.grad.clone())  # type: ignore[union-attr]
+    assert len(runs) == 2  # forward, then the recomputation
+    a.grad = w.grad = None
+    fn(a, w=w).sum().backward()
+    assert torch.equal(g[0], a.grad) and torch.equal(g[1], w.grad)  # type: ignore[arg-type]
+
+
+def test_reserved_keyword_is_refused() -> None:
+    with pytest.raises(RematError, match=r"keyword argument\(s\) \['debug'\] that torch.utils.checkpoint reserves"):
+        remat.checkpoint(lambda x, debug: x * 2, torch.ones(2, requires_grad=True), debug=True)
+
+
+def test_named_block_strategy_recomputes_the_inside(tiny: Workload) -> None:
+    model: TinyNet = tiny.model  # type: ignore[assignment]
+    plain = grads_after_step(tiny)
+    plan = remat.apply(model, remat.named([["layers.1", "layers.2", "layers.3"]]))
+    assert [b.name for b in plan.blocks] == ["layers.1..layers.3"]
+    calls(model)
+    assert_bitwise_equal(plain, grads_after_step(tiny))
+    assert calls(model) == [1, 2, 2, 2, 1]
+
+
+def test_tiny_fixture_is_seeded() -> None:
+    a, b = tiny_net_workload(), tiny_net_workload()
+    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))

@@ -1,0 +1,172 @@
+"""remat.plan.strategies: each seed strategy's selection and its validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import remat
+from remat.blocks import Block, LayerType
+from remat.errors import RematError
+from remat.plan.chain import Keep, Recompute, RecomputeSub
+from remat.plan.strategies import STRATEGIES, parse_strategy
+from remat.profile.types import BlockProfile, Profile
+
+
+def fake_blocks(n: int, mixed: bool = False) -> tuple[Block, ...]:
+    hints = [LayerType.ATTENTION, LayerType.FFN]
+    return tuple(
+        Block(
+            index=i,
+            fqns=(f"layers.{i}",),
+            type_hint=LayerType.OTHER if mixed else hints[i % 2],
+            class_name="L",
+            attention_fqns=(f"layers.{i}.attn",) if mixed else (),
+            ffn_fqns=(f"layers.{i}.mlp",) if mixed else (),
+        )
+        for i in range(n)
+    )
+
+
+def fake_profile(saved: list[int], fwd_ms: list[float]) -> Profile:
+    """A profile whose per-block sizes are chosen by the test (strategies read only these)."""
+    n = len(saved)
+    bps = tuple(
+        BlockProfile(
+            input_bytes=10, output_bytes=10, saved_bytes=s, keep_bytes=s + 10, fwd_peak_bytes=s + 10,
+            bwd_peak_bytes=s, fwd_ms=f, bwd_ms=2 * f, fwd_flops=0, bwd_flops=0,
+        )
+        for s, f in zip(saved, fwd_ms)
+    )
+    return Profile(
+        model="M", device="cpu", blocks=fake_blocks(n), block_profiles=bps, fingerprint="x", is_chain=True,
+        held_bytes=0, peak_bytes=sum(saved), step_ms=1.0, base_bytes=10, pre_peak_bytes=10, head_input_bytes=10,
+        head_peak_bytes=10, head_ms=0.1, tail_peak_bytes=0,
+    )
+
+
+B8 = fake_blocks(8)
+
+
+def test_none_full_every_nth_selective_ratio() -> None:
+    assert remat.none().checkpointed(B8) == ()
+    assert remat.full().checkpointed(B8) == tuple(range(8))
+    assert remat.every_nth(3).checkpointed(B8) == (0, 3, 6)
+    assert remat.every_nth(1).checkpointed(B8) == tuple(range(8))
+    assert remat.selective([5, 1]).checkpointed(B8) == (1, 5)
+    assert remat.selective([5, 1]).should_checkpoint(5, B8) and not remat.selective([5, 1]).should_checkpoint(2, B8)
+    # The seed's ratio: round(r * n) blocks, every round(n / count)-th.
+    assert remat.ratio(0.5).checkpointed(B8) == (0, 2, 4, 6)
+    assert remat.ratio(0.25).checkpointed(B8) == (0, 4)
+    assert remat.ratio(0.0).checkpointed(B8) == ()
+    assert remat.ratio(1.0).checkpointed(B8) == tuple(range(8))
+
+
+def test_segments_and_sqrt_follow_checkpoint_sequential() -> None:
+    ops = remat.segments(3).ops(B8)
+    # 8 blocks in 3 segments of 3, 3, 2: the first two checkpointed, the last kept.
+    assert ops == (
+        Recompute(0, 3, (Keep(0), Keep(1), Keep(2))),
+        Recompute(3, 6, (Keep(3), Keep(4), Keep(5))),
+        Keep(6),
+        Keep(7),
+    )
+    blocks16 = fake_blocks(16)
+    k = round(math.sqrt(16))
+    assert remat.sqrt().ops(blocks16) == remat.segments(k).ops(blocks16)
+    assert remat.sqrt().checkpointed(blocks16) == tuple(range(12))
+
+
+def test_attention_and_ffn_only() -> None:
+    # Blocks that are attention (even) or FFN (odd) as a whole.
+    assert remat.attention_only().checkpointed(B8) == (0, 2, 4, 6)
+    assert remat.ffn_only().checkpointed(B8) == (1, 3, 5, 7)
+    assert remat.attention_only(min_interval=4).checkpointed(B8) == (0, 4)
+    # Mixed blocks (transformer layers): the sub-module inside each block.
+    mixed = fake_blocks(4, mixed=True)
+    assert remat.attention_only().ops(mixed) == tuple(RecomputeSub(i, (f"layers.{i}.attn",)) for i in range(4))
+    assert remat.ffn_only(min_interval=2).ops(mixed) == (
+        RecomputeSub(0, ("layers.0.mlp",)), Keep(1), RecomputeSub(2, ("layers.2.mlp",)), Keep(3)
+    )
+
+
+def test_sized_strategies_read_the_profile() -> None:
+    saved = [5, 50, 20, 80, 10, 40]
+    fwd = [1.0, 10.0, 1.0, 2.0, 1.0, 1.0]
+    prof = fake_profile(saved, fwd)
+    blocks = prof.blocks
+    assert remat.largest(2).checkpointed(blocks, prof) == (1, 3)
+    assert remat.largest(0).checkpointed(blocks, prof) == ()
+    # Greedy by saved bytes per recompute ms: 80/2=40, 40/1=40, 20/1=20, 10/1, 5/1, 50/10 ...
+    # total 205; need <= 100: take 3 (->125), then 5 (->85).
+    assert remat.budget(100).checkpointed(blocks, prof) == (3, 5)
+    assert remat.budget(1000).checkpointed(blocks, prof) == ()
+    assert remat.budget("0").checkpointed(blocks, prof) == tuple(range(6))
+    # dynamic: the largest interval k whose retained bytes (kept blocks' keep_bytes + checkpointed
+    # blocks' outputs, 10 each) are within the share of keeping everything (265).
+    retained = {k: sum(10 if i % k == 0 else s + 10 for i, s in enumerate(saved)) for k in range(1, 7)}
+    for fraction in (0.3, 0.8, 0.9):
+        fitting = [k for k in range(1, 7) if retained[k] <= fraction * 265]
+        expected = tuple(range(0, 6, max(fitting))) if fitting else tuple(range(6))
+        assert remat.dynamic(fraction).checkpointed(blocks, prof) == expected
+    assert retained[3] == 180 and remat.dynamic(0.8).checkpointed(blocks, prof) == (0, 3)
+    assert remat.dynamic(0.8, min_interval=4).checkpointed(blocks, prof) == (0, 4)  # 250 > 212: falls to min_interval
+    assert remat.dynamic(1.0).checkpointed(blocks, prof) == ()
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: remat.every_nth(0), r"every_nth: n=0 is invalid; it must be an integer >= 1"),
+        (lambda: remat.selective([1, 2, 1]), r"selective: duplicate indices \[1\]"),
+        (lambda: remat.selective([-1]), r"selective: indices \[-1\] are negative"),
+        (lambda: remat.dynamic(1.5), r"dynamic: memory_fraction=1.5 is outside \[0, 1\]"),
+        (lambda: remat.dynamic(-0.1), r"dynamic: memory_fraction=-0.1 is outside \[0, 1\]"),
+        (lambda: remat.dynamic(0.5, min_interval=0), r"dynamic: min_interval=0 is invalid"),
+        (lambda: remat.ratio(1.5), r"ratio: checkpoint_ratio=1.5 is outside \[0, 1\]"),
+        (lambda: remat.budget(-1), r"budget: max_bytes=-1 is negative"),
+        (lambda: remat.budget("-5MiB"), r"negative"),
+        (lambda: remat.largest(-1), r"largest: top_k=-1 is invalid; it must be an integer >= 0"),
+        (lambda: remat.segments(0), r"segments: k=0 is invalid"),
+        (lambda: remat.attention_only(min_interval=0), r"attention_only: min_interval=0 is invalid"),
+        (lambda: remat.named([]), r"named: groups=\(\) must be a non-empty list"),
+    ],
+)
+def test_bad_parameters_are_rejected_with_the_value_and_range(make: object, match: str) -> None:
+    with pytest.raises(RematError, match=match):
+        make()  # type: ignore[operator]
+
+
+def test_errors_that_need_the_block_count() -> None:
+    prof = fake_profile([1, 2, 3], [1.0, 1.0, 1.0])
+    with pytest.raises(RematError, match=r"indices \[9\] are out of range for 3 blocks \(valid 0..2\)"):
+        remat.selective([9]).checkpointed(prof.blocks)
+    with pytest.raises(RematError, match=r"top_k=4 exceeds the 3 blocks"):
+        remat.largest(4).checkpointed(prof.blocks, prof)
+    with pytest.raises(RematError, match=r"segments: k=4 exceeds the 3 blocks"):
+        remat.segments(4).ops(prof.blocks)
+    with pytest.raises(RematError, match=r"largest: needs measured block sizes; pass profile=remat.profile"):
+        remat.largest(1).checkpointed(prof.blocks)
+
+
+def test_summaries_and_labels() -> None:
+    assert remat.every_nth(2).label == "every_nth(n=2)"
+    assert "uniform interval" in remat.every_nth(2).summary()
+    for cls in STRATEGIES.values():
+        assert cls.__doc__ is None or cls.name  # every registered strategy has a name
+    assert remat.budget("1KiB").max_bytes == 1024
+
+
+def test_parse_strategy() -> None:
+    assert parse_strategy("every_nth(2)") == remat.every_nth(2)
+    assert parse_strategy("selective([0, 3])") == remat.selective([0, 3])
+    assert parse_strategy("budget('1KiB')") == remat.budget(1024)
+    assert parse_strategy("attention_only(min_interval=2)") == remat.attention_only(min_interval=2)
+    assert parse_strategy(" full ") == remat.full()
+    with pytest.raises(RematError, match=r"unknown 'everynth'; valid strategies are none, full, every_nth"):
+        parse_strategy("everynth(2)")
+    with pytest.raises(RematError, match=r"does not match every_nth\(n\)"):
+        parse_strategy("every_nth(1, 2)")
+    with pytest.raises(RematError, match="n=0 is invalid"):
+        parse_strategy("every_nth(0)")
