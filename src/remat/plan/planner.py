@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from remat.errors import BudgetInfeasibleError, RematError
-from remat.plan.chain import Chain, Op, ops_repr
+from remat.plan.chain import Chain, Keep, Op, ops_repr
 from remat.plan.solver import min_peak, min_peak_plan, simulate, solve
 from remat.plan.strategies import STRATEGIES, Strategy, bench_strategies
 from remat.plan.types import Plan
@@ -99,9 +99,21 @@ def plan(
     nested = solver == "optimal" and _nested(profile)
     headroom = budget_bytes - chain.base_bytes
     fixed = max(chain.pre_peak_bytes, chain.base_bytes + chain.tail_peak_bytes)
-    ops = SOLVERS[solver](profile, chain, headroom) if fixed <= budget_bytes and headroom >= 0 else None
+    ops: tuple[Op, ...] | None = None
+    keep_all = tuple(Keep(i) for i in range(chain.n))
+    if simulate(chain, keep_all).peak_bytes <= budget_bytes:
+        ops = keep_all  # nothing to recompute: no solver can do better
+    elif fixed <= budget_bytes and headroom >= 0:
+        ops = SOLVERS[solver](profile, chain, headroom)
+    smallest = min_peak(chain, nested=nested)
+    if ops is None and smallest <= budget_bytes:
+        # Memory is discretised on the safe side (NOTE [ Rotor dynamic program ]), so a budget within
+        # a few units of the smallest peak can be missed: solve finer, else take the lowest-peak plan.
+        ops = solve(chain, headroom, nested=nested, slots=min(1 << 16, max(1, headroom))) or min_peak_plan(
+            chain, nested=nested
+        )
+        log.info("plan: budget %s is within rounding of the smallest peak; used a finer solve", format_bytes(budget_bytes))
     if ops is None:
-        smallest = min_peak(chain, nested=nested)
         cheapest = ops_repr(min_peak_plan(chain, nested=nested))
         raise BudgetInfeasibleError(
             f"plan: budget {format_bytes(budget_bytes)} is below the smallest feasible peak {format_bytes(smallest)} "

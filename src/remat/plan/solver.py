@@ -72,7 +72,7 @@ _EXACT_MAX_BYTES = 4096
 # Automatic memory resolution: 1000 units while the work (about n^3 / 6 * slots element operations)
 # stays under the target, about a second for 200 blocks at 500 units on a 2-core machine; never
 # fewer than 250 units, whatever the time.
-_SLOTS_MAX = 1000
+_SLOTS_MAX = 16384
 _SLOTS_MIN = 250
 _WORK_TARGET = 200**3 // 6 * 500
 # Keep the two (n+1) x (n+1) x slots float64 tables of the solver below about this size.

@@ -246,6 +246,7 @@ def profile(
             zero_grads(model)
             with counter:
                 train_step(model, inputs, loss_fn)
+            flop_events.append(("end", 0, counter.get_total_flops()))
 
     return _assemble(model, block_list, tracked, trace, runs, step_ms, _times(flop_events), held, dev, n)
 
@@ -295,7 +296,7 @@ def _assemble(
         return max(0.0, median(vals))
 
     def fl(a: tuple[str, int], b: tuple[str, int]) -> int:
-        return max(0, flops.get(b, flops.get(a, 0)) - flops.get(a, 0))
+        return max(0, flops.get(b, flops.get(("end", 0), 0)) - flops.get(a, 0))
 
     sub_index = 0
     profiles = []

@@ -188,7 +188,7 @@ def _draw_lanes(band: Axes, timelines: Sequence[Timeline], t_div: float) -> None
     band.grid(True, axis="x", alpha=0.3)
     handles = [Patch(color=c, label=f"block {k}") for k, c in _KIND_COLORS.items()]
     handles += [Patch(color=c, label=f"{k} phase") for k, c in _PHASE_COLORS.items()]
-    band.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.45 - 0.1 / lanes), ncol=5, fontsize=8, frameon=False)
+    band.figure.legend(handles=handles, loc="outside lower center", ncol=5, fontsize=8, frameon=False)
 
 
 def _shorten(text: str, width: int) -> str:

@@ -1,0 +1,442 @@
+"""The report of ``remat report``: one self-contained HTML file and a Markdown summary.
+
+The HTML carries its CSS inline and every chart as a base64 PNG, so it can be mailed or attached to
+an issue as one file; the Markdown links the PNGs written next to it. Every piece of text that comes
+from the model, the plans or the command line is escaped.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import logging
+import platform
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from remat.measure.compare import BenchResult, BenchRow
+from remat.measure.timeline import Timeline
+from remat.plan.chain import Keep, Op, Recompute, RecomputeSub
+from remat.plan.planner import Frontier
+from remat.plan.types import Plan
+from remat.profile.types import Profile
+from remat.report.tables import budget_verdicts, mib
+from remat.units import format_bytes, format_ms
+
+__all__ = ["write_report", "REPORT_HTML", "REPORT_MD"]
+
+log = logging.getLogger(__name__)
+
+REPORT_HTML = "report.html"
+REPORT_MD = "report.md"
+
+_CHART_TITLES = {
+    "timeline": "Memory over one training step",
+    "tradeoff": "Peak memory against step time",
+    "comparison": "Strategies side by side",
+    "heatmap": "Per block: saved bytes, recompute time, decision",
+}
+_CHART_CAPTIONS = {
+    "timeline": "Allocated memory above what is held before the step (parameters, gradients, inputs), for the plain "
+    "model, recompute-everything and the chosen plan. Bands below: each block's forward, backward and "
+    "recomputation; shading: forward and backward phases.",
+    "tradeoff": "Every strategy as measured (one marker each) and the optimal frontier predicted by the solver "
+    "(peak against the plain step time plus the predicted recompute time).",
+    "comparison": "Measured peak memory and median step time of every strategy; dashed: the plain model.",
+    "heatmap": "What each block saves for its backward, what recomputing it costs, and what the chosen plan does with it.",
+}
+
+_CSS = """
+body { font-family: -apple-system, "Segoe UI", Roboto, Helvetica, Arial, sans-serif; margin: 2rem auto;
+       max-width: 1280px; padding: 0 1.5rem; color: #1d1d1f; line-height: 1.45; }
+h1 { font-size: 1.7rem; margin-bottom: 0.2rem; } h2 { font-size: 1.25rem; margin-top: 2.2rem;
+     border-bottom: 1px solid #ddd; padding-bottom: 0.3rem; }
+.sub { color: #666; margin-top: 0; }
+pre.cmd { background: #1e1e1e; color: #f0f0f0; padding: 0.8rem 1rem; border-radius: 6px; overflow-x: auto; }
+table { border-collapse: collapse; margin: 0.8rem 0; font-size: 0.88rem; }
+th, td { border: 1px solid #d8d8d8; padding: 0.28rem 0.6rem; }
+th { background: #f3f4f6; text-align: left; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+tr.chosen td { background: #eaf6ec; font-weight: 600; }
+.cards { display: flex; flex-wrap: wrap; gap: 0.8rem; margin: 1rem 0; }
+.card { border: 1px solid #ddd; border-radius: 8px; padding: 0.7rem 1rem; min-width: 190px; background: #fafafa; }
+.card .v { font-size: 1.35rem; font-weight: 600; } .card .k { color: #666; font-size: 0.82rem; }
+figure { margin: 1.2rem 0 2rem 0; } figure img { max-width: 100%; border: 1px solid #eee; }
+figcaption { color: #555; font-size: 0.88rem; margin-top: 0.3rem; }
+ul.plan { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 0.88rem; }
+.keep { color: #2e7d32; } .rec { color: #c62828; } .subop { color: #b7791f; }
+.ok { color: #2e7d32; } .bad { color: #c62828; font-weight: 600; }
+code { background: #f3f4f6; padding: 0 0.25rem; border-radius: 3px; }
+"""
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _pct(value: float) -> str:
+    return f"{value:+.1f}%"
+
+
+def _ratio_pct(measured: float, predicted: float | None) -> str:
+    if predicted is None or predicted == 0:
+        return "-"
+    return _pct(100.0 * (measured / predicted - 1))
+
+
+def _find_row(result: BenchResult, plan: Plan) -> BenchRow | None:
+    """The bench row of ``plan``: same label, else same operations and budget."""
+    for r in result.rows:
+        if r.label == plan.strategy:
+            return r
+    for r in result.rows:
+        if r.ops == plan.describe() and r.budget_bytes == plan.budget_bytes:
+            return r
+    return None
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, numeric_from: int = 1, highlight: int | None = None) -> str:
+    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
+    body = []
+    for i, row in enumerate(rows):
+        cells = "".join(f'<td class="num">{_e(c)}</td>' if j >= numeric_from else f"<td>{_e(c)}</td>" for j, c in enumerate(row))
+        cls = ' class="chosen"' if i == highlight else ""
+        body.append(f"<tr{cls}>{cells}</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _profile_rows(profile: Profile) -> list[list[str]]:
+    return [
+        [
+            str(i),
+            b.name,
+            b.type_hint.value,
+            mib(bp.input_bytes),
+            mib(bp.output_bytes),
+            mib(bp.saved_bytes),
+            mib(bp.fwd_transient_bytes),
+            mib(bp.bwd_peak_bytes),
+            f"{bp.fwd_ms:.2f}",
+            f"{bp.bwd_ms:.2f}",
+            f"{bp.fwd_flops / 1e9:.3f}",
+        ]
+        for i, (b, bp) in enumerate(zip(profile.blocks, profile.block_profiles, strict=True))
+    ]
+
+
+_PROFILE_HEADERS = ("#", "block", "type", "in MiB", "out MiB", "saved MiB", "fwd tmp MiB", "bwd peak MiB", "fwd ms", "bwd ms", "fwd GFLOP")
+_BENCH_HEADERS = (
+    "strategy",
+    "blocks ckpt",
+    "peak MiB",
+    "predicted MiB",
+    "peak vs predicted",
+    "budget MiB",
+    "step ms",
+    "predicted ms",
+    "memory saved",
+    "time overhead",
+    "grads equal",
+)
+
+
+def _bench_rows(result: BenchResult, base_ms: float) -> list[list[str]]:
+    rows = []
+    for r in result.rows:
+        predicted_ms = None if r.predicted_extra_ms is None else base_ms + r.predicted_extra_ms
+        fits = "" if r.budget_bytes is None else (" fits" if r.peak_bytes <= r.budget_bytes else " OVER")
+        rows.append(
+            [
+                r.label,
+                f"{r.checkpointed}/{r.n_blocks}",
+                mib(r.peak_bytes),
+                mib(r.predicted_peak_bytes),
+                _ratio_pct(r.peak_bytes, r.predicted_peak_bytes),
+                (mib(r.budget_bytes) + fits) if r.budget_bytes is not None else "-",
+                f"{r.step_ms:.1f}",
+                "-" if predicted_ms is None else f"{predicted_ms:.1f}",
+                f"{r.saved_pct:.1f}%",
+                f"{r.overhead_pct:+.1f}%",
+                "yes" if r.grads_equal else "NO",
+            ]
+        )
+    return rows
+
+
+def _plan_html(ops: Sequence[Op], plan: Plan) -> str:
+    items = []
+    for op in ops:
+        if isinstance(op, Keep):
+            items.append(f'<li><span class="keep">keep</span> {_e(plan.blocks[op.index].name)}</li>')
+        elif isinstance(op, RecomputeSub):
+            items.append(
+                f'<li><span class="subop">keep, recompute {_e(", ".join(op.fqns))}</span> in {_e(plan.blocks[op.index].name)}</li>'
+            )
+        elif isinstance(op, Recompute):
+            names = plan.blocks[op.start].name + (f" .. {plan.blocks[op.stop - 1].name}" if op.stop - op.start > 1 else "")
+            inner = ""
+            if len(op.inner) > 1 or any(not isinstance(o, Keep) for o in op.inner):
+                inner = _plan_html(op.inner, plan)
+            items.append(f'<li><span class="rec">recompute</span> {_e(names)}{inner}</li>')
+    return f'<ul class="plan">{"".join(items)}</ul>'
+
+
+def _plan_md(ops: Sequence[Op], plan: Plan, depth: int = 0) -> list[str]:
+    lines = []
+    pad = "  " * depth
+    for op in ops:
+        if isinstance(op, Keep):
+            lines.append(f"{pad}- keep `{plan.blocks[op.index].name}`")
+        elif isinstance(op, RecomputeSub):
+            lines.append(f"{pad}- keep `{plan.blocks[op.index].name}`, recompute {', '.join(f'`{f}`' for f in op.fqns)}")
+        elif isinstance(op, Recompute):
+            names = plan.blocks[op.start].name + (f" .. {plan.blocks[op.stop - 1].name}" if op.stop - op.start > 1 else "")
+            lines.append(f"{pad}- recompute `{names}`")
+            if len(op.inner) > 1 or any(not isinstance(o, Keep) for o in op.inner):
+                lines += _plan_md(op.inner, plan, depth + 1)
+    return lines
+
+
+def _card(value: str, key: str) -> str:
+    return f'<div class="card"><div class="v">{_e(value)}</div><div class="k">{_e(key)}</div></div>'
+
+
+def _img(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f'<img alt="{_e(path.stem)}" src="data:image/png;base64,{data}">'
+
+
+def _key_figures(profile: Profile, plan: Plan, row: BenchRow | None) -> list[tuple[str, str]]:
+    """(value, what) pairs: the headline numbers of the report."""
+    out = [
+        (format_bytes(profile.peak_bytes), "plain peak (above held memory)"),
+        (format_ms(profile.step_ms), "plain step time"),
+    ]
+    if plan.budget_bytes is not None:
+        out.append((format_bytes(plan.budget_bytes), "budget"))
+    if plan.predicted_peak_bytes is not None:
+        out.append((format_bytes(plan.predicted_peak_bytes), f"{plan.strategy}: predicted peak"))
+    if row is not None:
+        out.append((format_bytes(row.peak_bytes), f"{plan.strategy}: measured peak ({row.saved_pct:.0f}% saved)"))
+        out.append((format_ms(row.step_ms), f"{plan.strategy}: measured step ({row.overhead_pct:+.0f}%)"))
+    return out
+
+
+def write_report(
+    directory: str | Path,
+    *,
+    profile: Profile,
+    plan: Plan,
+    result: BenchResult,
+    frontier: Frontier,
+    timelines: Sequence[Timeline],
+    command: str,
+    description: str = "",
+    charts: Mapping[str, Path] | None = None,
+) -> tuple[Path, Path]:
+    """Write ``report.html`` (self-contained) and ``report.md`` (links the PNGs next to it).
+
+    Args:
+        directory: Where to write (created if missing); the charts go there too when not given.
+        profile: From ``remat.profile``.
+        plan: The chosen plan (``remat.plan`` at the budget).
+        result: The bench of every strategy (``remat.measure.compare.compare``), the plain model first.
+        frontier: From ``remat.frontier(profile)``.
+        timelines: From ``remat.timeline``, e.g. of the plain model, ``full`` and the plan.
+        command: The command line that produced the report, shown verbatim (escaped).
+        description: One line describing the workload (default: the profile's model class).
+        charts: Already written charts by name (``"timeline"``, ``"tradeoff"``, ``"comparison"``,
+            ``"heatmap"``) and PNG path; default: write them with :func:`remat.report.plots.write_charts`.
+
+    Returns:
+        The paths of the HTML file and of the Markdown file.
+
+    Raises:
+        MissingExtraError: If the charts must be drawn and matplotlib is not installed.
+    """
+    import remat  # the version; remat imports nothing from remat.report
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    if charts is None:
+        from remat.report.plots import write_charts
+
+        charts = write_charts(d, profile=profile, plan=plan, result=result, frontier=frontier, timelines=timelines)
+    desc = description or profile.model
+    row = _find_row(result, plan)
+    base_ms = result.rows[0].step_ms if result.rows else profile.step_ms
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    env = f"remat {remat.__version__}, torch {torch.__version__}, Python {platform.python_version()}, {profile.device}"
+
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>remat report: {_e(desc)}</title>",
+        f"<style>{_CSS}</style></head><body>",
+        f"<h1>remat report: {_e(desc)}</h1>",
+        f'<p class="sub">{_e(stamp)} &middot; {_e(env)}</p>',
+        "<h2>Command</h2>",
+        f'<pre class="cmd"><code>{_e(command)}</code></pre>',
+        "<h2>Model</h2>",
+        _table(
+            ("", ""),
+            [
+                ["workload", desc],
+                ["model class", profile.model],
+                ["device", profile.device],
+                ["blocks", f"{len(profile.blocks)} ({profile.blocks[0].name} .. {profile.blocks[-1].name})" if profile.blocks else "0"],
+                ["blocks form a chain", "yes" if profile.is_chain else "no"],
+                ["held before a step", format_bytes(profile.held_bytes) + " (parameters, gradients, buffers, inputs)"],
+                ["plain peak above that", format_bytes(profile.peak_bytes)],
+                ["plain step time", format_ms(profile.step_ms)],
+            ],
+            numeric_from=99,
+        ),
+        "<h2>Key figures</h2>",
+        '<div class="cards">' + "".join(_card(v, k) for v, k in _key_figures(profile, plan, row)) + "</div>",
+        "<h2>The chosen plan</h2>",
+        f"<p><b>{_e(plan.strategy)}</b>: {len(plan.checkpointed)}/{len(plan.blocks)} blocks recomputed, "
+        f"nesting depth {plan.depth}; operations <code>{_e(plan.describe())}</code></p>",
+        _plan_html(plan.ops, plan),
+        "<h3>Predicted against measured</h3>",
+        _table(("figure", "predicted", "measured", "measured vs predicted"), _versus_rows(plan, row, base_ms, timelines)),
+    ]
+    verdicts = budget_verdicts(result)
+    if verdicts:
+        parts.append("<ul>" + "".join(f"<li>{_e(v)}</li>" for v in verdicts) + "</ul>")
+    parts.append("<h2>Charts</h2>")
+    for name in ("timeline", "tradeoff", "comparison", "heatmap"):
+        if name in charts:
+            parts.append(
+                f"<figure><h3>{_e(_CHART_TITLES[name])}</h3>{_img(Path(charts[name]))}"
+                f"<figcaption>{_e(_CHART_CAPTIONS[name])}</figcaption></figure>"
+            )
+    chosen_index = next((i for i, r in enumerate(result.rows) if row is not None and r.label == row.label), None)
+    parts += [
+        "<h2>Bench: every strategy measured</h2>",
+        f"<p>{_e(result.model)} on {_e(result.device)}; median of {result.rounds} interleaved rounds; peaks above "
+        f"{_e(format_bytes(result.held_bytes))} held before the step; percentages against "
+        f"<code>{_e(result.rows[0].label if result.rows else '-')}</code>. Predicted step time: the plain step plus "
+        "the predicted recompute time.</p>",
+        _table(_BENCH_HEADERS, _bench_rows(result, base_ms), highlight=chosen_index),
+        "<h2>Timelines</h2>",
+        _table(("plan", "timeline peak", "bench peak", "timeline vs bench", "step (under profiler)"), _timeline_rows(timelines, result)),
+        "<h2>Profile</h2>",
+        f"<p>Every block of the plain model measured on its batch (medians of timed steps). "
+        f"Blocks form a chain: {'yes' if profile.is_chain else 'no'}.</p>",
+        _table(_PROFILE_HEADERS, _profile_rows(profile), numeric_from=3),
+        "<h2>Optimal frontier (predicted)</h2>",
+        _table(
+            ("budget MiB", "predicted peak MiB", "predicted recompute ms", "plan"),
+            [[mib(p.budget_bytes), mib(p.peak_bytes), f"{p.extra_ms:.1f}", p.ops] for p in frontier.points],
+            numeric_from=0,
+        ),
+        "</body></html>",
+    ]
+    html_path = d / REPORT_HTML
+    html_path.write_text("\n".join(parts), encoding="utf-8")
+    md_path = d / REPORT_MD
+    md_path.write_text(_markdown(d, profile, plan, result, timelines, command, desc, row, base_ms, charts), encoding="utf-8")
+    log.info("wrote %s and %s", html_path, md_path)
+    return html_path, md_path
+
+
+def _versus_rows(plan: Plan, row: BenchRow | None, base_ms: float, timelines: Sequence[Timeline]) -> list[list[str]]:
+    predicted_ms = None if plan.predicted_extra_ms is None else base_ms + plan.predicted_extra_ms
+    peak = "-" if row is None else format_bytes(row.peak_bytes)
+    step = "-" if row is None else format_ms(row.step_ms)
+    rows = [
+        [
+            "peak memory",
+            "-" if plan.predicted_peak_bytes is None else format_bytes(plan.predicted_peak_bytes),
+            peak,
+            "-" if row is None else _ratio_pct(row.peak_bytes, plan.predicted_peak_bytes),
+        ],
+        [
+            "step time",
+            "-" if predicted_ms is None else format_ms(predicted_ms),
+            step,
+            "-" if row is None or predicted_ms is None else _ratio_pct(row.step_ms, predicted_ms),
+        ],
+    ]
+    if plan.budget_bytes is not None and row is not None:
+        verdict = "fits" if row.peak_bytes <= plan.budget_bytes else "over budget"
+        rows.append(["budget", format_bytes(plan.budget_bytes), verdict, _ratio_pct(row.peak_bytes, plan.budget_bytes)])
+    for tl in timelines:
+        if tl.plan == plan.strategy:
+            rows.append(["timeline peak", "-", format_bytes(tl.peak_bytes), _ratio_pct(tl.peak_bytes, plan.predicted_peak_bytes)])
+    return rows
+
+
+def _timeline_rows(timelines: Sequence[Timeline], result: BenchResult) -> list[list[str]]:
+    by_label = {r.label: r for r in result.rows}
+    out = []
+    for tl in timelines:
+        r = by_label.get(tl.plan)
+        out.append(
+            [
+                tl.plan,
+                format_bytes(tl.peak_bytes),
+                "-" if r is None else format_bytes(r.peak_bytes),
+                "-" if r is None else _ratio_pct(tl.peak_bytes, r.peak_bytes),
+                format_ms(tl.duration_ms),
+            ]
+        )
+    return out
+
+
+def _md_escape(text: str) -> str:
+    return html.escape(text, quote=False).replace("|", "\\|")
+
+
+def _markdown(
+    directory: Path,
+    profile: Profile,
+    plan: Plan,
+    result: BenchResult,
+    timelines: Sequence[Timeline],
+    command: str,
+    desc: str,
+    row: BenchRow | None,
+    base_ms: float,
+    charts: Mapping[str, Path],
+) -> str:
+    lines = [
+        f"# remat report: {_md_escape(desc)}",
+        "",
+        "```",
+        command.replace("```", "'''"),
+        "```",
+        "",
+        f"- device: {profile.device}; {len(profile.blocks)} blocks; held before a step: {format_bytes(profile.held_bytes)}",
+        f"- plain step: peak {format_bytes(profile.peak_bytes)} above held memory, {format_ms(profile.step_ms)}",
+    ]
+    if plan.budget_bytes is not None:
+        lines.append(f"- budget: {format_bytes(plan.budget_bytes)}")
+    if row is not None:
+        lines.append(
+            f"- **{_md_escape(plan.strategy)}**: measured peak {format_bytes(row.peak_bytes)} "
+            f"(predicted {format_bytes(row.predicted_peak_bytes) if row.predicted_peak_bytes is not None else '-'}, "
+            f"{row.saved_pct:.1f}% saved), step {format_ms(row.step_ms)} ({row.overhead_pct:+.1f}%), "
+            f"gradients equal: {'yes' if row.grads_equal else 'NO'}"
+        )
+    lines += ["", f"## Plan: `{plan.describe()}`", "", *_plan_md(plan.ops, plan), "", "## Bench", ""]
+    lines.append("| " + " | ".join(_BENCH_HEADERS) + " |")
+    lines.append("|" + "---|" * len(_BENCH_HEADERS))
+    for cells in _bench_rows(result, base_ms):
+        lines.append("| " + " | ".join(_md_escape(c) for c in cells) + " |")
+    if timelines:
+        lines += ["", "## Timelines", "", "| plan | timeline peak | bench peak | timeline vs bench |", "|---|---|---|---|"]
+        for cells in _timeline_rows(timelines, result):
+            lines.append("| " + " | ".join(_md_escape(c) for c in cells[:4]) + " |")
+    lines += ["", "## Charts", ""]
+    for name in ("timeline", "tradeoff", "comparison", "heatmap"):
+        if name in charts:
+            p = Path(charts[name]).resolve()
+            link = p.relative_to(directory.resolve()).as_posix() if p.is_relative_to(directory.resolve()) else p.as_uri()
+            lines += [f"### {_CHART_TITLES[name]}", "", f"![{name}]({link})", ""]
+    lines += ["", f"Full report with the profile table: [{REPORT_HTML}]({REPORT_HTML})", ""]
+    return "\n".join(lines)

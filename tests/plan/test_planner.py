@@ -1,0 +1,82 @@
+"""remat.plan on real profiles: budgets hold when measured, predictions match, errors, frontier."""
+
+from __future__ import annotations
+
+import pytest
+
+import remat
+from remat.errors import BudgetInfeasibleError, RematError
+from remat.models import Workload, workload
+from remat.plan.chain import Recompute
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize(
+    "w",
+    [
+        workload("gpt", n_layers=6, d_model=48, n_heads=2, seq_len=32, batch=2, vocab_size=64, dropout=0.1),
+        workload("mlp", widths=(32,) + (128, 48, 256, 32, 192, 80, 384, 64) * 3, batch=64),
+    ],
+    ids=["gpt", "mlp"],
+)
+def test_optimal_plans_fit_their_budget_when_measured(w: Workload) -> None:
+    prof = remat.profile(w.model, w.inputs, w.loss_fn, repeats=1)
+    unplanned = remat.measure(w.model, w.inputs, w.loss_fn, steps=1).peak_bytes
+    for share in (0.3, 0.5, 0.7):
+        budget = int(share * unplanned)
+        plan = remat.plan(prof, budget)
+        assert plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes <= budget
+        remat.apply(w.model, plan)
+        measured = remat.measure(w.model, w.inputs, w.loss_fn, steps=1).peak_bytes
+        remat.remove(w.model)
+        assert measured <= budget + max(0.05 * budget, MIB), (share, measured, budget, plan.describe())
+        assert abs(measured - plan.predicted_peak_bytes) <= 0.10 * plan.predicted_peak_bytes, (share, plan.describe())
+        assert remat.check_gradients(w.model, plan, w.inputs, w.loss_fn).equal
+
+
+def test_budget_as_share_bytes_and_errors(small_mlp: Workload) -> None:
+    prof = remat.profile(small_mlp.model, small_mlp.inputs, small_mlp.loss_fn, repeats=1)
+    share = remat.plan(prof, "60%")
+    assert share.budget_bytes == int(0.6 * prof.peak_bytes)
+    assert remat.plan(prof, share.budget_bytes).ops == share.ops
+    with pytest.raises(BudgetInfeasibleError, match=r"budget 1B is below the smallest feasible peak [0-9.]+KiB \(optimal: .*\); raise the budget") as err:
+        remat.plan(prof, 1)
+    assert err.value.budget_bytes == 1 and err.value.min_peak_bytes > 1
+    # The smallest feasible peak itself is feasible.
+    assert remat.plan(prof, err.value.min_peak_bytes).predicted_peak_bytes == err.value.min_peak_bytes
+    with pytest.raises(RematError, match="unknown solver 'greedy'; valid solvers are optimal, knapsack"):
+        remat.plan(prof, "50%", solver="greedy")
+    with pytest.raises(RematError, match="a budget is needed"):
+        remat.plan(prof)
+    with pytest.raises(RematError, match="not both"):
+        remat.plan(prof, "50%", strategy=remat.full())
+
+
+def test_knapsack_is_single_level_and_never_faster_than_optimal(small_gpt: Workload) -> None:
+    prof = remat.profile(small_gpt.model, small_gpt.inputs, small_gpt.loss_fn, repeats=1)
+    for share in ("40%", "55%", "80%"):
+        best = remat.plan(prof, share)
+        single = remat.plan(prof, share, solver="knapsack")
+        assert single.depth <= 1
+        assert all(op.stop - op.start == 1 for op in single.ops if isinstance(op, Recompute))
+        assert best.predicted_extra_ms is not None and single.predicted_extra_ms is not None
+        assert best.predicted_extra_ms <= single.predicted_extra_ms + 1e-9
+
+
+def test_frontier_trades_memory_for_time_monotonically(small_gpt: Workload) -> None:
+    prof = remat.profile(small_gpt.model, small_gpt.inputs, small_gpt.loss_fn, repeats=1)
+    front = remat.frontier(prof, points=8)
+    assert len(front.points) >= 2
+    peaks = [p.peak_bytes for p in front.points]
+    extras = [p.extra_ms for p in front.points]
+    assert peaks == sorted(peaks) and extras == sorted(extras, reverse=True)
+    assert all(p.peak_bytes <= max(p.budget_bytes, peaks[0]) for p in front.points)
+    labels = [label for label, _, _ in front.strategies]
+    assert "full" in labels and "none" in labels
+    # No seed strategy beats the frontier: for its peak, the optimal plan is at least as fast
+    # (0.2% of slack for the memory discretisation, NOTE [ Rotor dynamic program ]).
+    for label, peak, extra in front.strategies:
+        if peak >= peaks[0]:
+            best = remat.plan(prof, int(peak * 1.002))
+            assert best.predicted_extra_ms is not None and best.predicted_extra_ms <= extra + 1e-6, label

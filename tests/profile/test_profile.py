@@ -1,0 +1,100 @@
+"""remat.profile: measured sizes against known ones, the model left exactly as it was, JSON."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.errors import BlockSelectionError, RematError
+from remat.models import Workload
+from remat.plan.solver import simulate
+from remat.profile import Profile
+
+
+def test_sizes_match_what_autograd_must_save() -> None:
+    # Each block is Linear(8 -> 32) then ReLU. For a batch of 4 in float32, autograd keeps the
+    # Linear's input (4*8*4 = 128 bytes; the weight is a parameter, excluded) and the ReLU's output
+    # (4*32*4 = 512 bytes), which is also the block's output.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(8, 32), nn.ReLU()),
+        nn.Sequential(nn.Linear(32, 8), nn.ReLU()),
+    )
+    x = torch.randn(4, 8)
+    prof = remat.profile(model, x, lambda out: out.sum(), repeats=1)
+    first, second = prof.block_profiles
+    assert (first.input_bytes, first.output_bytes, first.saved_bytes, first.output_saved_bytes) == (128, 512, 640, 512)
+    # Block 2 saves its input (512, the same storage as block 1's output) and its ReLU output (4*8*4).
+    assert (second.input_bytes, second.output_bytes, second.saved_bytes, second.output_saved_bytes) == (512, 128, 640, 128)
+    assert first.fwd_flops == 2 * 4 * 8 * 32 and second.fwd_flops == 2 * 4 * 32 * 8
+    assert first.bwd_flops == 2 * 4 * 8 * 32  # weight grad only: the input needs no grad
+    assert second.bwd_flops == 2 * (2 * 4 * 32 * 8)  # input and weight grads
+    assert prof.is_chain
+
+
+def test_profile_peak_is_the_measured_plain_peak_and_the_model_reproduces_it(small_gpt: Workload) -> None:
+    w = small_gpt
+    prof = remat.profile(w.model, w.inputs, w.loss_fn, repeats=1)
+    measured = remat.measure(w.model, w.inputs, w.loss_fn, steps=1)
+    assert prof.peak_bytes == measured.peak_bytes
+    predicted = simulate(prof.chain(), remat.plan(prof, strategy=remat.none()).ops).peak_bytes
+    assert abs(predicted - prof.peak_bytes) <= 0.02 * prof.peak_bytes
+    assert prof.held_bytes == measured.held_bytes > 0
+    assert all(bp.fwd_ms > 0 and bp.bwd_ms > 0 and bp.fwd_flops > 0 for bp in prof.block_profiles)
+    assert all(len(bp.subs) == 2 for bp in prof.block_profiles)  # each layer's attention and MLP
+
+
+def test_profiling_leaves_the_model_exactly_as_it_was(small_resnet: Workload) -> None:
+    w = small_resnet
+    model = w.model
+    for p in list(model.parameters())[::3]:
+        p.grad = torch.randn_like(p)
+    model.layer1.eval()  # a mixed train/eval model
+    remat.apply(model, remat.every_nth(2))
+    before_state = {k: v.clone() for k, v in model.state_dict().items()}
+    before_grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    before_modes = [m.training for m in model.modules()]
+    torch.manual_seed(123)
+    before_rng = torch.get_rng_state()
+    prof = remat.profile(model, w.inputs, w.loss_fn, repeats=1)
+    assert torch.equal(torch.get_rng_state(), before_rng)
+    after_state = model.state_dict()
+    assert all(torch.equal(after_state[k], v) for k, v in before_state.items())  # BatchNorm statistics included
+    for p, g in zip(model.parameters(), before_grads):
+        assert (p.grad is None and g is None) or torch.equal(p.grad, g)  # type: ignore[arg-type]
+    assert [m.training for m in model.modules()] == before_modes
+    plan = remat.applied(model)
+    assert plan is not None and plan.strategy == "every_nth(n=2)"
+    assert len(prof.blocks) == 2
+    # The profile itself saw the plain model: every block ran its forward once.
+    assert remat.measure(model, w.inputs, w.loss_fn, steps=1).forward_counts == {"layer1": 2, "layer2": 1}
+
+
+def test_json_round_trip(small_mlp: Workload) -> None:
+    prof = remat.profile(small_mlp.model, small_mlp.inputs, small_mlp.loss_fn, repeats=1)
+    assert Profile.from_json(prof.to_json()) == prof
+    with pytest.raises(RematError, match="schema_version None is not 1"):
+        Profile.from_json("{}")
+
+
+class Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(self.b(x)))
+
+
+def test_blocks_must_run_once_each_in_order() -> None:
+    model = Twice()
+    x = torch.randn(2, 4)
+    with pytest.raises(BlockSelectionError, match=r"blocks must run exactly once per step, but \[\('b', 2\)\]"):
+        remat.profile(model, x, lambda y: y.sum(), blocks=remat.blocks(model, named=[["a"], ["b"]]), repeats=1)
+    with pytest.raises(RematError, match="repeats=0 and warmup=1 must both be >= 1"):
+        remat.profile(model, x, lambda y: y.sum(), repeats=0)
+    with pytest.raises(RematError, match="loss_fn returned a tensor of shape \\(2, 4\\)"):
+        remat.profile(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), x, lambda y: y, repeats=1)
