@@ -38,6 +38,7 @@ from remat.plan.strategies import (
     sqrt,
 )
 from remat.profile import BlockProfile, Profile, profile
+from remat.train import accumulate, autocast_step, split_batch
 
 __version__ = "0.1.0"
 
@@ -82,4 +83,7 @@ __all__ = [
     "segments",
     "sqrt",
     "named",
+    "accumulate",
+    "autocast_step",
+    "split_batch",
 ]

@@ -130,9 +130,10 @@ def test_simulate_counts_pre_peak_and_tail() -> None:
 
 
 def test_simulate_recompute_sub() -> None:
-    # Block 0 saves 30 bytes by checkpointing its attention: S' = 40-30 = 10, fp' = max(60-30, 10) = 30,
-    # bp' = max(15-30, 10) = 10. L=10: fwd 10+30=40, L=20. K1: 20+70=90, L=70. head 78, 82.
-    # bwd K1 70+25=95, L=20. bwd S0 20+10=30, L=10. Peak 95; extra 0.5 ms of recomputed attention.
+    # Block 0 saves 30 bytes by checkpointing its attention: S' = 40-30 = 10, fp' = 60 (its forward
+    # still makes the attention's tensors), bp' = 15+30 = 45 (they are recomputed in its backward, above
+    # the lower level). L=10: fwd 10+60=70, L=20. K1: 20+70=90, L=70. head 78, 82.
+    # bwd K1 70+25=95, L=20. bwd S0 20+45=65, L=10. Peak 95; extra 0.5 ms of recomputed attention.
     plan = (RecomputeSub(0, ("attn",)), Keep(1))
     got = simulate(hand_chain(), plan, sub_costs={(0, ("attn",)): (30, 0.5)})
     assert got == Simulation(peak_bytes=95, total_ms=17.5, extra_ms=0.5)
@@ -350,7 +351,9 @@ def test_program_value_is_the_simulated_time() -> None:
             n = int(rng.integers(1, 40))
             chain = random_chain(rng, n, hi=10**6)
             headroom = (min_peak(chain) - chain.base_bytes) * 3 // 2
-            table = solver._fill(chain, unit_bytes=max(1, -(-headroom // 100)), top_units=100, nested=nested)
+            table = solver._fill(
+                chain, unit_bytes=max(1, -(-headroom // 100)), top_units=100, nested=nested, variants=solver._variants(chain, None)
+            )
             value = table.opt[0, n, 100]
             if math.isfinite(value):
                 ops = solver._rebuild(table, 0, n, 100)
@@ -366,3 +369,71 @@ def test_solve_two_hundred_blocks_fits() -> None:
     assert ops is not None
     assert chain_peak(chain, ops) <= (keep_all + lowest) // 2
     assert simulate(chain, ops).extra_ms > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Keep variants (NOTE [ Keep variants ]): blocks kept with a sub-module checkpointed inside them
+# ------------------------------------------------------------------------------------------------
+
+
+def random_subs(rng: np.random.Generator, chain: Chain) -> dict[tuple[int, tuple[str, ...]], tuple[int, float]]:
+    """One or two sub-module groups on some blocks, each freeing part of the block's keep_bytes."""
+    subs: dict[tuple[int, tuple[str, ...]], tuple[int, float]] = {}
+    for k in range(chain.n):
+        for name in ("attn", "mlp")[: int(rng.integers(0, 3))]:
+            saved = int(rng.integers(0, max(1, chain.keep_bytes[k]) + 1))
+            subs[(k, (f"{k}.{name}",))] = (saved, float(rng.uniform(0.1, 3.0)))
+    return subs
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "knapsack"])
+@pytest.mark.parametrize("seed", range(10))
+def test_solve_with_keep_variants_matches_brute_force(seed: int, nested: bool) -> None:
+    rng = np.random.default_rng(1000 + seed)
+    n = int(rng.integers(1, 6))
+    chain = random_chain(rng, n, hi=int(rng.choice([8, 40])))
+    subs = random_subs(rng, chain)
+    groups: dict[int, list[tuple[str, ...]]] = {}
+    for k, fqns in subs:
+        groups.setdefault(k, []).append(fqns)
+    plans = [
+        (chain_peak_subs(chain, ops, subs), simulate(chain, ops, subs).total_ms)
+        for ops in all_plans(n, nested=nested, subs=groups)
+    ]
+    lowest = min(p for p, _ in plans)
+    assert min_peak(chain, nested=nested, sub_costs=subs) == simulate(chain, min_peak_plan(chain, nested=nested, sub_costs=subs), subs).peak_bytes
+    for headroom in budgets(p for p, _ in plans):
+        ops = solve(chain, headroom, nested=nested, sub_costs=subs)
+        fitting = [ms for p, ms in plans if p <= headroom]
+        if headroom < lowest:
+            assert ops is None and not fitting
+            continue
+        assert ops is not None
+        assert chain_peak_subs(chain, ops, subs) <= headroom
+        assert simulate(chain, ops, subs).total_ms == pytest.approx(min(fitting), rel=1e-12, abs=1e-12)
+
+
+def chain_peak_subs(chain: Chain, ops: tuple[Op, ...], subs: dict[tuple[int, tuple[str, ...]], tuple[int, float]]) -> int:
+    zeroed = dataclasses.replace(chain, base_bytes=0, pre_peak_bytes=0, tail_peak_bytes=0)
+    return simulate(zeroed, ops, subs).peak_bytes
+
+
+def test_keep_variants_can_beat_whole_block_plans() -> None:
+    # Block 0 (S 100, fp 100, bp 20) can checkpoint its attention, freeing 80 bytes for 1 ms; block 1
+    # (S 50, fp 50, bp 10) runs on top of what block 0 holds. Keep-all peaks at 100+50+10 = 160.
+    # Recompute block 0: fwd 100, L=10; K1 60, L=60; bwd 70, L=10; recompute 110, bwd 130 (+10 ms).
+    # Variant S0: S' = 20, fp' = 100, bp' = 20 + 80; fwd 100, L=20; K1 70, L=70; bwd 80, L=20; bwd S0
+    # 20+100 = 120 (+1 ms). So between 120 and 130 only the variant fits, and at 130 it is faster.
+    chain = Chain(
+        fwd_ms=(10.0, 5.0, 0.0), bwd_ms=(10.0, 5.0, 0.0), x_bytes=(10, 10, 10), keep_bytes=(100, 50, 0),
+        fwd_peak_bytes=(100, 50, 0), bwd_peak_bytes=(20, 10, 0),
+    )
+    subs = {(0, ("0.attn",)): (80, 1.0)}
+    variant = (RecomputeSub(0, ("0.attn",)), Keep(1))
+    assert simulate(chain, variant, subs) == Simulation(peak_bytes=120, total_ms=31.0, extra_ms=1.0)
+    assert solve(chain, 125) is None
+    assert solve(chain, 125, sub_costs=subs) == variant
+    assert solve(chain, 130) == (Recompute(0, 1, (Keep(0),)), Keep(1))
+    assert solve(chain, 130, sub_costs=subs) == variant
+    assert solve(chain, 160, sub_costs=subs) == (Keep(0), Keep(1))  # when keeping fits, nothing is recomputed
+    assert min_peak(chain) == 130 and min_peak(chain, sub_costs=subs) == 120

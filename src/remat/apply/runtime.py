@@ -108,15 +108,14 @@ def _run_ops(ops: tuple[Op, ...], span: _Span, args: tuple[Any, ...], kwargs: di
         if not first:
             args = (out, *args[1:])
         first = False
-        if isinstance(op, Keep):
+        if isinstance(op, (Keep, RecomputeSub)):
+            # A RecomputeSub's sub-modules carry their own checkpoint (installed by install()).
             for i, module in enumerate(span.members[op.index]):
                 if i:
                     args = (out, *args[1:])
                 out = _call_direct(module, args, kwargs)
-        elif isinstance(op, Recompute):
-            out = run_checkpointed(op.inner, span, args, kwargs)
         else:
-            raise RematError(f"apply: {op!r} cannot appear inside a recomputed segment; use Keep or Recompute")
+            out = run_checkpointed(op.inner, span, args, kwargs)
     return out
 
 
@@ -198,15 +197,16 @@ def install(model: nn.Module, ops: tuple[Op, ...], members: Sequence[list[nn.Mod
         Every module whose ``forward`` was overridden.
     """
     touched: list[nn.Module] = []
+    for op in _sub_ops(ops):
+        # Wherever a RecomputeSub sits in the tree, its block's final run is the one that keeps
+        # tensors; in the no-save runs above it the sub-module's own checkpoint is harmless.
+        for fqn in op.fqns:
+            sub = model.get_submodule(fqn)
+            span = _Span(ops=(Keep(0),), members={0: [sub]}, multi=False, batchnorms=_bns([sub]))
+            _set_role(sub, _Role(span, 0, sub.__dict__.get("forward"), fqn))
+            touched.append(sub)
     for op in ops:
-        if isinstance(op, Keep):
-            continue
-        if isinstance(op, RecomputeSub):
-            for fqn in op.fqns:
-                sub = model.get_submodule(fqn)
-                span = _Span(ops=(Keep(0),), members={0: [sub]}, multi=False, batchnorms=_bns([sub]))
-                _set_role(sub, _Role(span, 0, sub.__dict__.get("forward"), fqn))
-                touched.append(sub)
+        if not isinstance(op, Recompute):
             continue
         covered = {k: list(members[k]) for k in range(op.start, op.stop)}
         flat = [(m, n) for k in range(op.start, op.stop) for m, n in zip(members[k], names[k])]
@@ -215,6 +215,14 @@ def install(model: nn.Module, ops: tuple[Op, ...], members: Sequence[list[nn.Mod
             _set_role(module, _Role(span, pos, module.__dict__.get("forward"), name))
             touched.append(module)
     return touched
+
+
+def _sub_ops(ops: tuple[Op, ...]) -> Iterator[RecomputeSub]:
+    for op in ops:
+        if isinstance(op, RecomputeSub):
+            yield op
+        elif isinstance(op, Recompute):
+            yield from _sub_ops(op.inner)
 
 
 def _bns(modules: Sequence[nn.Module]) -> list[nn.Module]:

@@ -166,7 +166,7 @@ def timeline(
 ) -> Timeline:
     """Record memory over one training step of the model as it is (checkpointed or not).
 
-    Runs ``warmup`` plain steps (they allocate the parameter gradients), then one step under the torch
+    Runs ``warmup`` untimed steps (they allocate the parameter gradients), then one step under the torch
     profiler with a marker at every block boundary. The model is left exactly as it was: gradients,
     buffers, RNG state, train/eval mode and any plan applied to it.
 

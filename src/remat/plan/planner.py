@@ -29,7 +29,8 @@ def _nested(profile: Profile) -> bool:
 
 
 def _solve_optimal(profile: Profile, chain: Chain, headroom: int) -> tuple[Op, ...] | None:
-    return solve(chain, headroom, nested=_nested(profile))
+    # NOTE [ Keep variants ]: the optimal solver may also keep a block with its attention/FFN checkpointed.
+    return solve(chain, headroom, nested=_nested(profile), sub_costs=profile.sub_costs())
 
 
 def _solve_knapsack(profile: Profile, chain: Chain, headroom: int) -> tuple[Op, ...] | None:
@@ -105,16 +106,17 @@ def plan(
         ops = keep_all  # nothing to recompute: no solver can do better
     elif fixed <= budget_bytes and headroom >= 0:
         ops = SOLVERS[solver](profile, chain, headroom)
-    smallest = min_peak(chain, nested=nested)
+    subs = profile.sub_costs() if solver == "optimal" else None
+    smallest = min_peak(chain, nested=nested, sub_costs=subs)
     if ops is None and smallest <= budget_bytes:
         # Memory is discretised on the safe side (NOTE [ Rotor dynamic program ]), so a budget within
         # a few units of the smallest peak can be missed: solve finer, else take the lowest-peak plan.
-        ops = solve(chain, headroom, nested=nested, slots=min(1 << 16, max(1, headroom))) or min_peak_plan(
-            chain, nested=nested
+        ops = solve(chain, headroom, nested=nested, slots=min(1 << 16, max(1, headroom)), sub_costs=subs) or (
+            min_peak_plan(chain, nested=nested, sub_costs=subs)
         )
         log.info("plan: budget %s is within rounding of the smallest peak; used a finer solve", format_bytes(budget_bytes))
     if ops is None:
-        cheapest = ops_repr(min_peak_plan(chain, nested=nested))
+        cheapest = ops_repr(min_peak_plan(chain, nested=nested, sub_costs=subs))
         raise BudgetInfeasibleError(
             f"plan: budget {format_bytes(budget_bytes)} is below the smallest feasible peak {format_bytes(smallest)} "
             f"({solver}: {cheapest}); raise the budget or lower the batch size",
@@ -181,7 +183,7 @@ def frontier(profile: Profile, *, points: int = 16, solver: str = "optimal") -> 
         raise RematError(f"frontier: points={points} must be >= 2")
     chain = profile.chain()
     nested = solver == "optimal" and _nested(profile)
-    low = min_peak(chain, nested=nested)
+    low = min_peak(chain, nested=nested, sub_costs=profile.sub_costs() if solver == "optimal" else None)
     high = simulate(chain, tuple(plan(profile, strategy=STRATEGIES["none"]()).ops)).peak_bytes
     found: list[FrontierPoint] = []
     for i in range(points):

@@ -39,6 +39,13 @@ for the rest (``slack[s] >= 0`` dropped) and ``ceil(x[k] / u)`` for the inner pl
 negative sizes push beyond the table is clamped to its top (``opt`` does not increase with ``m``, so
 this is safe too). With 1-byte units (small headrooms) the program is exact.
 
+# NOTE [ Keep variants ]
+A block may be kept in more than one way: plainly, or with a sub-module (its attention, its MLP)
+checkpointed inside it (``RecomputeSub``, measured by the profile as bytes freed and recompute ms).
+Each way has its own ``S, fp, bp`` (lowered by the bytes freed) and extra time; wherever the
+program keeps a block (keep-first, and the last block of a range) it takes the best way. So the
+optimal plan dominates ``attention_only`` / ``ffn_only`` as it dominates the block-level rules.
+
 The table is filled for ``t = 0..n`` and, within ``t``, for ``s = t..0``, one numpy row over ``m``
 at a time. Two shifted copies of every finished row are kept in one array ``W``, laid out so that
 the candidates ``k = s+1..t`` of ``(s, t)`` are two contiguous ``(t - s, M)`` slices:
@@ -53,7 +60,7 @@ floating-point operations, preferring keep, then the smallest ``k``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,11 +134,12 @@ def _validate(ops: tuple[Op, ...], start: int, stop: int, where: str) -> None:
                     f"expected a non-empty span starting at block {expected} and ending by block {stop - 1}; "
                     f"a plan must cover blocks {start}..{stop - 1} once each, in order."
                 )
-            if not op.inner or not isinstance(op.inner[-1], Keep):
+            if not op.inner or not isinstance(op.inner[-1], (Keep, RecomputeSub)):
                 last = repr(op.inner[-1]) if op.inner else "nothing"
                 raise RematError(
                     f"simulate: {where} operation {op!r} at position {pos} ends its inner plan with {last}; the "
-                    f"inner plan of a recompute must end with Keep({op.stop - 1}) so the segment's output is kept."
+                    f"inner plan of a recompute must end with Keep({op.stop - 1}) (or RecomputeSub) so the "
+                    "segment's output is kept."
                 )
             _validate(op.inner, op.start, op.stop, f"inner plan of {op!r}:")
             expected = op.stop
@@ -147,6 +155,37 @@ def _validate(ops: tuple[Op, ...], start: int, stop: int, where: str) -> None:
         )
 
 
+def _kept_sizes(chain: Chain, k: int, saved: int) -> tuple[int, int, int]:
+    """(S, fp, bp) of block ``k`` run normally, with ``saved`` bytes of sub-modules checkpointed.
+
+    Checkpointing a sub-module lowers what the block holds between its forward and its backward by
+    ``saved``; its own peaks stay where they were (the sub-module's activations exist during its
+    forward, and are recomputed during the block's backward), so ``bp`` rises by ``saved`` relative
+    to the lower level.
+    """
+    keep, fwd_peak, bwd_peak = int(chain.keep_bytes[k]), int(chain.fwd_peak_bytes[k]), int(chain.bwd_peak_bytes[k])
+    return keep - saved, fwd_peak, bwd_peak + saved
+
+
+# A way to keep a block: (sub-modules checkpointed inside it or None, S, fp, bp, extra ms).
+_Variant = tuple[tuple[str, ...] | None, int, int, int, float]
+
+
+def _variants(chain: Chain, sub_costs: SubCosts | None) -> list[list[_Variant]]:
+    """For every block (and the head), the plain Keep first, then one RecomputeSub per ``sub_costs`` entry."""
+    out: list[list[_Variant]] = []
+    for k in range(chain.n + 1):
+        out.append([(None, *_kept_sizes(chain, k, 0), 0.0)])
+    for (k, fqns), (saved, ms) in sorted((sub_costs or {}).items()):
+        if 0 <= k < chain.n:
+            out[k].append((tuple(fqns), *_kept_sizes(chain, k, int(saved)), float(ms)))
+    return out
+
+
+def _kept_op(k: int, fqns: tuple[str, ...] | None) -> Op:
+    return Keep(k) if fqns is None else RecomputeSub(k, fqns)
+
+
 class _Simulator:
     """The level/peak bookkeeping of NOTE [ Chain cost model ] for one plan."""
 
@@ -159,14 +198,8 @@ class _Simulator:
 
     def _block_sizes(self, op: Keep | RecomputeSub) -> tuple[int, int, int]:
         """(S, fp, bp) of a normally run block; RecomputeSub lowers them by the saved bytes."""
-        c, k = self.chain, op.index
-        keep, fwd_peak, bwd_peak = c.keep_bytes[k], c.fwd_peak_bytes[k], c.bwd_peak_bytes[k]
-        if isinstance(op, RecomputeSub):
-            saved = self._sub_cost(op)[0]
-            keep -= saved
-            fwd_peak = max(fwd_peak - saved, keep)
-            bwd_peak = max(bwd_peak - saved, keep)
-        return keep, fwd_peak, bwd_peak
+        saved = self._sub_cost(op)[0] if isinstance(op, RecomputeSub) else 0
+        return _kept_sizes(self.chain, op.index, saved)
 
     def _sub_cost(self, op: RecomputeSub) -> tuple[int, float]:
         key = (op.index, tuple(op.fqns))
@@ -231,8 +264,8 @@ def simulate(chain: Chain, ops: tuple[Op, ...], sub_costs: SubCosts | None = Non
         sub_costs: For each ``RecomputeSub(k, fqns)`` in the plan, ``(k, fqns) -> (saved_bytes,
             recompute_ms)``: the bytes (bytes) it saves relative to ``Keep(k)`` and the time
             (milliseconds) of recomputing the sub-modules. It is simulated as ``Keep(k)`` with
-            ``keep_bytes`` lowered by ``saved_bytes`` (the forward and backward peaks too, but not
-            below the lowered ``keep_bytes``) and ``recompute_ms`` of extra time.
+            ``keep_bytes`` lowered by ``saved_bytes``, the block's own peaks unchanged in absolute
+            terms, and ``recompute_ms`` of extra time.
 
     Returns:
         The predicted peak (bytes) and times (milliseconds).
@@ -279,11 +312,11 @@ class _Table:
     size: int  # entries over m: 0..size-1 units
     opt: _FloatArray  # opt[s, t, m]
     shifted: _FloatArray  # W of NOTE [ Rotor dynamic program ]
-    fb_ms: list[float]  # f[s] + b[s]
-    keep_units: list[int]  # keeping s: m -> m - keep_units[s]
     rest_units: list[int]  # checkpoint s..k-1, then run k..t: m -> m - rest_units[k]
     inner_units: list[int]  # checkpoint s..k-1, then its inner plan: m -> m - inner_units[k]
-    keep_ok_units: list[int]  # keeping s needs m >= keep_ok_units[s]
+    # Per block, per way of keeping it (NOTE [ Keep variants ]): sub-modules checkpointed (None: plain),
+    # units it costs, units needed to keep it before / as the last block of a range, and f + b + extra.
+    kept: list[list[tuple[tuple[str, ...] | None, int, int, int, float]]]
     nested: bool
 
     def shift_index(self, m: int, units: int) -> int:
@@ -291,12 +324,17 @@ class _Table:
         j = m - units
         return -1 if j < 0 else min(j, self.size - 1)
 
-    def keep_value(self, s: int, t: int, m: int) -> float:
-        """The keep-first candidate of ``(s, t)`` at ``m``, computed as in the fill."""
-        j = self.shift_index(m, self.keep_units[s])
-        if m < self.keep_ok_units[s] or j < 0:
-            return _INF
-        return float(self.fb_ms[s] + self.opt[s + 1, t, j])
+    def keep_choice(self, s: int, t: int, m: int, value: float) -> tuple[tuple[str, ...] | None, int] | None:
+        """The first way of keeping ``s`` that reproduces ``value`` at ``(s, t, m)``, and the next ``m``."""
+        for fqns, units, ok, last_ok, fb in self.kept[s]:
+            if s == t:
+                if m >= last_ok and fb == value:
+                    return fqns, m
+                continue
+            j = self.shift_index(m, units)
+            if m >= ok and j >= 0 and float(fb + self.opt[s + 1, t, j]) == value:
+                return fqns, j
+        return None
 
     def candidates(self, s: int, t: int) -> range:
         return range(s + 1, t + 1) if self.nested else range(s + 1, s + 2)
@@ -317,7 +355,7 @@ def _shift(row: _FloatArray, units: int) -> _FloatArray:
     return out
 
 
-def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool) -> _Table:
+def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants: list[list[_Variant]]) -> _Table:
     n = chain.n
     f, b = chain.fwd_ms, chain.bwd_ms
     u = unit_bytes
@@ -327,31 +365,25 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool) -> _Table
         level_units.append(_ceil_div(level, u))
         slack.append(level_units[-1] * u - level)
         level += int(chain.keep_bytes[s])
-    keep_units = [level_units[s + 1] - level_units[s] for s in range(n)] + [_ceil_div(int(chain.keep_bytes[n]), u)]
+    slack.append(0)
     rest_units = [_ceil_div(int(chain.x_bytes[k]) + slack[k], u) for k in range(n + 1)]
     inner_units = [_ceil_div(int(chain.x_bytes[k]), u) for k in range(n + 1)]
-    keep_ok_units = [
-        _ceil_div(
-            max(int(chain.fwd_peak_bytes[s]), int(chain.keep_bytes[s]) + int(chain.bwd_peak_bytes[s])) - slack[s], u
-        )
-        for s in range(n + 1)
-    ]
-    # The last block of a recomputed region (s == t < n) does not hold its unsaved output.
-    last_ok_units = [
-        _ceil_div(
-            max(
-                int(chain.fwd_peak_bytes[s]),
-                int(chain.keep_bytes[s]) - int(chain.out_free_bytes[s]) + int(chain.bwd_peak_bytes[s]),
-            )
-            - slack[s],
-            u,
-        )
-        for s in range(n)
-    ] + [keep_ok_units[n]]
+    # NOTE [ Keep variants ]: a block kept with sub-modules checkpointed holds fewer bytes for more time.
+    # Keeping s the plain way costs exactly level_units[s+1] - level_units[s] (the ceil telescopes);
+    # any way costs ceil((S_v + slack[s+1] - slack[s]) / u), which is that for the plain S.
+    kept: list[list[tuple[tuple[str, ...] | None, int, int, int, float]]] = []
+    for s in range(n + 1):
+        ways = []
+        for fqns, keep, fwd_peak, bwd_peak, extra in variants[s]:
+            units = _ceil_div(keep + slack[s + 1] - slack[s], u) if s < n else _ceil_div(keep, u)
+            ok = _ceil_div(max(fwd_peak, keep + bwd_peak) - slack[s], u)
+            freed = int(chain.out_free_bytes[s]) if s < n else 0  # the last block of a recomputed range
+            last_ok = _ceil_div(max(fwd_peak, keep - freed + bwd_peak) - slack[s], u)
+            ways.append((fqns, units, ok, last_ok, float(f[s]) + float(b[s]) + extra))
+        kept.append(ways)
     # Negative sizes give headroom back; widen the table by as much so that is not lost to clamping.
-    gain = sum(max(0, -v) for v in keep_units + rest_units + inner_units)
+    gain = sum(max(0, -w[1]) for ways in kept for w in ways) + sum(max(0, -v) for v in rest_units + inner_units)
     size = top_units + 1 + min(gain, top_units + 1)
-    fb_ms = [float(f[s]) + float(b[s]) for s in range(n + 1)]
 
     opt = np.full((n + 1, n + 1, size), _INF)
     shifted = np.full((n + 1, n + 1, size), _INF)
@@ -360,14 +392,19 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool) -> _Table
         for s in range(t, -1, -1):
             row = opt[s, t]
             if s == t:
-                row[max(0, last_ok_units[s]) :] = fb_ms[s]
+                for _fqns, _units, _ok, last_ok, fb in kept[s]:
+                    lo = min(max(0, last_ok), size)
+                    np.minimum(row[lo:], fb, out=row[lo:])
             else:
-                keep = _shift(opt[s + 1, t], keep_units[s]) + fb_ms[s]
-                keep[: max(0, min(keep_ok_units[s], size))] = _INF
+                best = np.full(size, _INF)
+                for _fqns, units, ok, _last_ok, fb in kept[s]:
+                    keep = _shift(opt[s + 1, t], units) + fb
+                    keep[: max(0, min(ok, size))] = _INF
+                    np.minimum(best, keep, out=best)
                 hi = t + 1 if nested else s + 2
                 buf = scratch[: hi - s - 1]
                 np.add(shifted[t, s + 1 : hi], shifted[s, s + 1 : hi], out=buf)
-                np.minimum(keep, buf.min(axis=0), out=row)
+                np.minimum(best, buf.min(axis=0), out=row)
             # W[t, s] = opt(s, t, m - rest_units[s]), used by (s', t) with s' < s as "the rest after
             # checkpointing s'..s-1".
             if s > 0:
@@ -385,7 +422,7 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool) -> _Table
                 w = _shift(opt[s, t], inner_units[t + 1]) + fsum
                 w[: max(0, min(_ceil_div(nosave - slack[s], u), size))] = _INF
                 shifted[s, t + 1] = w
-    return _Table(n, size, opt, shifted, fb_ms, keep_units, rest_units, inner_units, keep_ok_units, nested)
+    return _Table(n, size, opt, shifted, rest_units, inner_units, kept, nested)
 
 
 def _rebuild(table: _Table, s: int, t: int, m: int) -> tuple[Op, ...]:
@@ -393,9 +430,10 @@ def _rebuild(table: _Table, s: int, t: int, m: int) -> tuple[Op, ...]:
     ops: list[Op] = []
     while s < t:
         value = table.opt[s, t, m]
-        if table.keep_value(s, t, m) == value:
-            ops.append(Keep(s))
-            m = table.shift_index(m, table.keep_units[s])
+        choice = table.keep_choice(s, t, m, value)
+        if choice is not None:
+            ops.append(_kept_op(s, choice[0]))
+            m = choice[1]
             s += 1
             continue
         for k in table.candidates(s, t):
@@ -407,11 +445,21 @@ def _rebuild(table: _Table, s: int, t: int, m: int) -> tuple[Op, ...]:
         else:  # pragma: no cover - the fill and this loop evaluate the same expressions
             raise RematError(f"solve: internal error, no candidate reproduces opt({s}, {t}, {m}) = {value}")
     if t < table.n:
-        ops.append(Keep(t))
+        last = table.keep_choice(t, t, m, table.opt[t, t, m])
+        if last is None:  # pragma: no cover - the fill and this loop evaluate the same expressions
+            raise RematError(f"solve: internal error, no way of keeping block {t} reproduces opt({t}, {t}, {m})")
+        ops.append(_kept_op(t, last[0]))
     return tuple(ops)
 
 
-def solve(chain: Chain, headroom_bytes: int, *, nested: bool = True, slots: int | None = None) -> tuple[Op, ...] | None:
+def solve(
+    chain: Chain,
+    headroom_bytes: int,
+    *,
+    nested: bool = True,
+    slots: int | None = None,
+    sub_costs: SubCosts | None = None,
+) -> tuple[Op, ...] | None:
     """The fastest plan whose chain peak stays within ``base_bytes + headroom_bytes``.
 
     A rotor-style dynamic program (NOTE [ Rotor dynamic program ]). The caller checks
@@ -428,6 +476,8 @@ def solve(chain: Chain, headroom_bytes: int, *, nested: bool = True, slots: int 
             slower; time grows as ``n**3 * slots``). ``None`` picks exact 1-byte units up to 4096
             bytes of headroom, else 1000 units up to about 160 blocks, falling to 500 at 200
             blocks and 250 from about 250 blocks.
+        sub_costs: Optional ways to keep a block with sub-modules checkpointed inside it (as for
+            :func:`simulate`); the solver then also chooses ``RecomputeSub`` (NOTE [ Keep variants ]).
 
     Returns:
         The plan with the least simulated ``total_ms`` among those the rounding lets through (with
@@ -446,7 +496,7 @@ def solve(chain: Chain, headroom_bytes: int, *, nested: bool = True, slots: int 
         slots = headroom_bytes if headroom_bytes <= _EXACT_MAX_BYTES else _auto_slots(chain.n)
     unit_bytes = max(1, _ceil_div(headroom_bytes, max(1, slots)))
     top_units = headroom_bytes // unit_bytes
-    table = _fill(chain, unit_bytes, top_units, nested)
+    table = _fill(chain, unit_bytes, top_units, nested, _variants(chain, sub_costs))
     if not math.isfinite(table.opt[0, chain.n, top_units]):
         return None
     return _rebuild(table, 0, chain.n, top_units)
@@ -457,16 +507,24 @@ def solve(chain: Chain, headroom_bytes: int, *, nested: bool = True, slots: int 
 # ----------------------------------------------------------------------------------------------
 
 
-def _peak_table(chain: Chain, nested: bool) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+def _peak_ways(chain: Chain, variants: list[list[_Variant]]) -> list[list[tuple[tuple[str, ...] | None, int, int, int]]]:
+    """Per block, per way of keeping it: (sub-modules, S, peak when kept before more blocks, peak as the last)."""
+    out = []
+    for s, ways in enumerate(variants):
+        freed = int(chain.out_free_bytes[s]) if s < chain.n else 0
+        out.append(
+            [(fqns, keep, max(fp, keep + bp), max(fp, keep - freed + bp)) for fqns, keep, fp, bp, _extra in ways]
+        )
+    return out
+
+
+def _peak_table(
+    chain: Chain, nested: bool, variants: list[list[_Variant]]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """``P[s, t]``: the least chain peak of running ``s..t`` above its entry level, and ``nosave``."""
     n = chain.n
     x = np.asarray(chain.x_bytes, dtype=np.int64)
-    keep_bytes = [int(v) for v in chain.keep_bytes]
-    keep_ok = [max(int(chain.fwd_peak_bytes[s]), keep_bytes[s] + int(chain.bwd_peak_bytes[s])) for s in range(n + 1)]
-    last_ok = [
-        max(int(chain.fwd_peak_bytes[s]), keep_bytes[s] - int(chain.out_free_bytes[s]) + int(chain.bwd_peak_bytes[s]))
-        for s in range(n)
-    ] + [keep_ok[n]]
+    ways = _peak_ways(chain, variants)
     nosave = np.zeros((n + 1, n + 1), dtype=np.int64)  # nosave[s, k] for s < k
     for s in range(n):
         running = int(chain.fwd_peak_bytes[s])
@@ -476,9 +534,9 @@ def _peak_table(chain: Chain, nested: bool) -> tuple[npt.NDArray[np.int64], npt.
                 running = max(running, int(chain.fwd_peak_bytes[k]) + int(chain.x_bytes[k]))
     peak = np.zeros((n + 1, n + 1), dtype=np.int64)
     for t in range(n + 1):
-        peak[t, t] = last_ok[t]
+        peak[t, t] = min(last for _f, _k, _ok, last in ways[t])
         for s in range(t - 1, -1, -1):
-            best = max(keep_ok[s], keep_bytes[s] + int(peak[s + 1, t]))
+            best = min(max(ok, keep + int(peak[s + 1, t])) for _f, keep, ok, _last in ways[s])
             hi = t + 1 if nested else s + 2
             ks = slice(s + 1, hi)
             xs = x[ks]
@@ -487,28 +545,30 @@ def _peak_table(chain: Chain, nested: bool) -> tuple[npt.NDArray[np.int64], npt.
     return peak, nosave
 
 
-def min_peak_plan(chain: Chain, *, nested: bool = True) -> tuple[Op, ...]:
+def min_peak_plan(chain: Chain, *, nested: bool = True, sub_costs: SubCosts | None = None) -> tuple[Op, ...]:
     """A plan reaching the lowest simulated peak of all plans (see :func:`min_peak`).
 
     Args:
         chain: The measured chain of ``n`` blocks and the head.
         nested: ``True`` to allow nested recomputation; ``False`` for single-level plans.
+        sub_costs: Optional ways to keep a block with sub-modules checkpointed (NOTE [ Keep variants ]).
 
     Returns:
         The plan; among plans with the lowest peak, the one that keeps earliest, then checkpoints the
         shortest segment (not necessarily the fastest).
     """
-    peak, nosave = _peak_table(chain, nested)
+    variants = _variants(chain, sub_costs)
+    peak, nosave = _peak_table(chain, nested, variants)
+    ways = _peak_ways(chain, variants)
     n = chain.n
     x = chain.x_bytes
-    keep_bytes = chain.keep_bytes
 
     def build(s: int, t: int) -> tuple[Op, ...]:
         ops: list[Op] = []
         while s < t:
-            keep_ok = max(int(chain.fwd_peak_bytes[s]), int(keep_bytes[s]) + int(chain.bwd_peak_bytes[s]))
-            if max(keep_ok, int(keep_bytes[s]) + int(peak[s + 1, t])) == peak[s, t]:
-                ops.append(Keep(s))
+            kept = [f for f, keep, ok, _last in ways[s] if max(ok, keep + int(peak[s + 1, t])) == peak[s, t]]
+            if kept:
+                ops.append(_kept_op(s, kept[0]))
                 s += 1
                 continue
             for k in range(s + 1, t + 1 if nested else s + 2):
@@ -519,13 +579,13 @@ def min_peak_plan(chain: Chain, *, nested: bool = True) -> tuple[Op, ...]:
             else:  # pragma: no cover - mirrors _peak_table
                 raise RematError(f"min_peak: internal error, no candidate reproduces P({s}, {t}) = {peak[s, t]}")
         if t < n:
-            ops.append(Keep(t))
+            ops.append(_kept_op(t, next(f for f, _k, _ok, last in ways[t] if last == peak[t, t])))
         return tuple(ops)
 
     return build(0, n)
 
 
-def min_peak(chain: Chain, *, nested: bool = True) -> int:
+def min_peak(chain: Chain, *, nested: bool = True, sub_costs: SubCosts | None = None) -> int:
     """The lowest simulated peak any plan reaches (recompute as much as helps), bytes.
 
     An exact ``O(n**3)`` recursion on peaks, the counterpart of NOTE [ Rotor dynamic program ] with
@@ -534,12 +594,13 @@ def min_peak(chain: Chain, *, nested: bool = True) -> int:
     Args:
         chain: The measured chain of ``n`` blocks and the head.
         nested: ``True`` to allow nested recomputation; ``False`` for single-level plans.
+        sub_costs: Optional ways to keep a block with sub-modules checkpointed (NOTE [ Keep variants ]).
 
     Returns:
         ``max(pre_peak_bytes, base_bytes, base_bytes + lowest chain peak, base_bytes +
         tail_peak_bytes)``, bytes: the ``peak_bytes`` :func:`simulate` gives :func:`min_peak_plan`.
     """
-    peak, _ = _peak_table(chain, nested)
+    peak, _ = _peak_table(chain, nested, _variants(chain, sub_costs))
     chain_peak = int(peak[0, chain.n])
     return max(
         int(chain.pre_peak_bytes),
@@ -554,28 +615,36 @@ def min_peak(chain: Chain, *, nested: bool = True) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def _plans(s: int, t: int, n: int, nested: bool) -> Iterator[tuple[Op, ...]]:
+def _plans(s: int, t: int, n: int, nested: bool, subs: Mapping[int, Sequence[tuple[str, ...]]]) -> Iterator[tuple[Op, ...]]:
+    kept: list[Op] = [Keep(s), *(RecomputeSub(s, tuple(f)) for f in subs.get(s, ()))] if s < n else []
     if s == t:
-        yield () if t == n else (Keep(s),)
+        if t == n:
+            yield ()
+        else:
+            yield from ((op,) for op in kept)
         return
-    for rest in _plans(s + 1, t, n, nested):
-        yield (Keep(s), *rest)
+    for op in kept:
+        for rest in _plans(s + 1, t, n, nested, subs):
+            yield (op, *rest)
     for k in range(s + 1, t + 1) if nested else (s + 1,):
-        for inner in _plans(s, k - 1, n, nested):
-            for rest in _plans(k, t, n, nested):
+        for inner in _plans(s, k - 1, n, nested, subs):
+            for rest in _plans(k, t, n, nested, subs):
                 yield (Recompute(s, k, inner), *rest)
 
 
-def all_plans(n: int, *, nested: bool = True) -> Iterator[tuple[Op, ...]]:
+def all_plans(
+    n: int, *, nested: bool = True, subs: Mapping[int, Sequence[tuple[str, ...]]] | None = None
+) -> Iterator[tuple[Op, ...]]:
     """Every plan the solvers choose from, for ``n`` blocks (brute force in tests; grows exponentially).
 
     Args:
         n: Number of blocks, the head excluded.
         nested: ``True`` for the plan space of nested recomputation; ``False`` for single-level plans.
+        subs: For each block, the sub-module groups it may be kept with checkpointed (``RecomputeSub``).
 
     Yields:
         Each plan once, keep-first plans before checkpoint-first ones.
     """
     if n < 0:
         raise RematError(f"all_plans: n={n} must be at least 0.")
-    yield from _plans(0, n, n, nested)
+    yield from _plans(0, n, n, nested, subs or {})

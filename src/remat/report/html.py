@@ -23,6 +23,7 @@ from remat.plan.chain import Keep, Op, Recompute, RecomputeSub
 from remat.plan.planner import Frontier
 from remat.plan.types import Plan
 from remat.profile.types import Profile
+from remat.report.plots import baseline_step_ms
 from remat.report.tables import budget_verdicts, mib
 from remat.units import format_bytes, format_ms
 
@@ -70,6 +71,8 @@ ul.plan { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 0.88
 .keep { color: #2e7d32; } .rec { color: #c62828; } .subop { color: #b7791f; }
 .ok { color: #2e7d32; } .bad { color: #c62828; font-weight: 600; }
 code { background: #f3f4f6; padding: 0 0.25rem; border-radius: 3px; }
+pre.cmd code { background: none; color: inherit; padding: 0; }
+table.kv th { width: 14rem; font-weight: 500; }
 """
 
 
@@ -106,6 +109,11 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, numeric_fro
         cls = ' class="chosen"' if i == highlight else ""
         body.append(f"<tr{cls}>{cells}</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _kv_table(rows: Sequence[tuple[str, str]]) -> str:
+    body = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
+    return f'<table class="kv"><tbody>{body}</tbody></table>'
 
 
 def _profile_rows(profile: Profile) -> list[list[str]]:
@@ -209,11 +217,11 @@ def _img(path: Path) -> str:
     return f'<img alt="{_e(path.stem)}" src="data:image/png;base64,{data}">'
 
 
-def _key_figures(profile: Profile, plan: Plan, row: BenchRow | None) -> list[tuple[str, str]]:
+def _key_figures(profile: Profile, plan: Plan, row: BenchRow | None, base_ms: float) -> list[tuple[str, str]]:
     """(value, what) pairs: the headline numbers of the report."""
     out = [
         (format_bytes(profile.peak_bytes), "plain peak (above held memory)"),
-        (format_ms(profile.step_ms), "plain step time"),
+        (format_ms(base_ms), "plain step time"),
     ]
     if plan.budget_bytes is not None:
         out.append((format_bytes(plan.budget_bytes), "budget"))
@@ -267,7 +275,7 @@ def write_report(
         charts = write_charts(d, profile=profile, plan=plan, result=result, frontier=frontier, timelines=timelines)
     desc = description or profile.model
     row = _find_row(result, plan)
-    base_ms = result.rows[0].step_ms if result.rows else profile.step_ms
+    base_ms = baseline_step_ms(result, profile.step_ms)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     env = f"remat {remat.__version__}, torch {torch.__version__}, Python {platform.python_version()}, {profile.device}"
 
@@ -281,22 +289,20 @@ def write_report(
         "<h2>Command</h2>",
         f'<pre class="cmd"><code>{_e(command)}</code></pre>',
         "<h2>Model</h2>",
-        _table(
-            ("", ""),
+        _kv_table(
             [
-                ["workload", desc],
-                ["model class", profile.model],
-                ["device", profile.device],
-                ["blocks", f"{len(profile.blocks)} ({profile.blocks[0].name} .. {profile.blocks[-1].name})" if profile.blocks else "0"],
-                ["blocks form a chain", "yes" if profile.is_chain else "no"],
-                ["held before a step", format_bytes(profile.held_bytes) + " (parameters, gradients, buffers, inputs)"],
-                ["plain peak above that", format_bytes(profile.peak_bytes)],
-                ["plain step time", format_ms(profile.step_ms)],
-            ],
-            numeric_from=99,
+                ("workload", desc),
+                ("model class", profile.model),
+                ("device", profile.device),
+                ("blocks", f"{len(profile.blocks)} ({profile.blocks[0].name} .. {profile.blocks[-1].name})" if profile.blocks else "0"),
+                ("blocks form a chain", "yes" if profile.is_chain else "no"),
+                ("held before a step", format_bytes(profile.held_bytes) + " (parameters, gradients, buffers, inputs)"),
+                ("plain peak above that", format_bytes(profile.peak_bytes)),
+                ("plain step time", f"{format_ms(profile.step_ms)} while profiling, {format_ms(base_ms)} in the bench"),
+            ]
         ),
         "<h2>Key figures</h2>",
-        '<div class="cards">' + "".join(_card(v, k) for v, k in _key_figures(profile, plan, row)) + "</div>",
+        '<div class="cards">' + "".join(_card(v, k) for v, k in _key_figures(profile, plan, row, base_ms)) + "</div>",
         "<h2>The chosen plan</h2>",
         f"<p><b>{_e(plan.strategy)}</b>: {len(plan.checkpointed)}/{len(plan.blocks)} blocks recomputed, "
         f"nesting depth {plan.depth}; operations <code>{_e(plan.describe())}</code></p>",
@@ -330,9 +336,8 @@ def write_report(
         _table(_PROFILE_HEADERS, _profile_rows(profile), numeric_from=3),
         "<h2>Optimal frontier (predicted)</h2>",
         _table(
-            ("budget MiB", "predicted peak MiB", "predicted recompute ms", "plan"),
-            [[mib(p.budget_bytes), mib(p.peak_bytes), f"{p.extra_ms:.1f}", p.ops] for p in frontier.points],
-            numeric_from=0,
+            ("plan", "budget MiB", "predicted peak MiB", "predicted recompute ms"),
+            [[p.ops, mib(p.budget_bytes), mib(p.peak_bytes), f"{p.extra_ms:.1f}"] for p in frontier.points],
         ),
         "</body></html>",
     ]
@@ -412,7 +417,7 @@ def _markdown(
         "```",
         "",
         f"- device: {profile.device}; {len(profile.blocks)} blocks; held before a step: {format_bytes(profile.held_bytes)}",
-        f"- plain step: peak {format_bytes(profile.peak_bytes)} above held memory, {format_ms(profile.step_ms)}",
+        f"- plain step: peak {format_bytes(profile.peak_bytes)} above held memory, {format_ms(base_ms)}",
     ]
     if plan.budget_bytes is not None:
         lines.append(f"- budget: {format_bytes(plan.budget_bytes)}")

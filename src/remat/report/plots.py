@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from remat.errors import MissingExtraError, RematError
 from remat.measure.compare import BenchResult, BenchRow
@@ -33,6 +34,9 @@ __all__ = [
     "write_charts",
     "write_bench_plots",
     "block_decisions",
+    "baseline_step_ms",
+    "bytes_unit",
+    "time_unit",
     "CHARTS",
 ]
 
@@ -148,13 +152,13 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path) -> Path:
         backward = next((p for p in tl.phases if p.name == "backward"), None)
         if backward is not None:
             ax.axvline(backward.start_ms / t_div, color=color, linestyle="--", linewidth=0.9, alpha=0.7)
-    ax.set_ylim(0, top / b_div * 1.15)
+    ax.set_ylim(0, top / b_div * (1.2 + 0.06 * lanes))  # headroom: the legend sits above the peaks
     ax.set_xlim(0, max(tl.duration_ms for tl in timelines) / t_div)
     held = timelines[0].held_bytes
     ax.set_ylabel(f"memory allocated above the\n{format_bytes(held)} held before the step ({b_unit})")
-    ax.set_title(f"Memory over one training step ({timelines[0].device}); dashed: backward starts", loc="left")
+    ax.set_title(f"Memory over one training step ({timelines[0].device}); dashed lines: where each backward starts", loc="left")
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left", fontsize=9, framealpha=0.9)
+    ax.legend(loc="upper right", fontsize=9, framealpha=0.9)
     ax.tick_params(labelbottom=False)
     _draw_lanes(band, timelines, t_div)
     band.set_xlabel(f"time since the step started ({t_unit})")
@@ -200,7 +204,8 @@ def plot_tradeoff(result: BenchResult, frontier: Frontier, path: str | Path) -> 
 
     Each bench row is one marker (measured figures); the frontier is drawn as a step line through the
     optimal plans' *predicted* points: predicted peak against the baseline step plus the predicted
-    recompute time. Points below and left of the line would beat the solver.
+    recompute time, where the baseline step is the bench's plain row when it has one (timed in the same
+    rounds as every strategy), else the frontier's. Points below and left of the line would beat the solver.
 
     Args:
         result: From ``remat.measure.compare.compare`` (``remat bench``).
@@ -218,7 +223,8 @@ def plot_tradeoff(result: BenchResult, frontier: Frontier, path: str | Path) -> 
     out = _target(path)
     fig = _figure(11.0, 6.0)
     ax = fig.add_subplot()
-    fx = [frontier.baseline_step_ms + p.extra_ms for p in frontier.points]
+    base_ms = baseline_step_ms(result, frontier.baseline_step_ms)
+    fx = [base_ms + p.extra_ms for p in frontier.points]
     fy = [p.peak_bytes for p in frontier.points]
     top_bytes = max([r.peak_bytes for r in result.rows] + fy + [1])
     b_div, b_unit = bytes_unit(top_bytes)
@@ -250,6 +256,14 @@ def plot_tradeoff(result: BenchResult, frontier: Frontier, path: str | Path) -> 
     return _save(fig, out)
 
 
+def baseline_step_ms(result: BenchResult, fallback_ms: float) -> float:
+    """The plain step time to add predicted recompute times to, milliseconds: the bench's own plain row
+    (timed in the same interleaved rounds as every plan) if its first row checkpoints nothing, else ``fallback_ms``."""
+    if result.rows and result.rows[0].checkpointed == 0 and result.rows[0].depth == 0:
+        return result.rows[0].step_ms
+    return fallback_ms
+
+
 def _check_rows(result: BenchResult) -> None:
     if not result.rows:
         raise RematError("report: the bench result has no rows; measure at least one plan with compare(...)")
@@ -258,15 +272,15 @@ def _check_rows(result: BenchResult) -> None:
 def _sub_label(plan: Plan, op: RecomputeSub) -> str:
     block = plan.blocks[op.index]
     if block.attention_fqns and set(op.fqns) == set(block.attention_fqns):
-        return "attn"
+        return "recompute attn"
     if block.ffn_fqns and set(op.fqns) == set(block.ffn_fqns):
-        return "ffn"
-    return "sub"
+        return "recompute ffn"
+    return "recompute sub"
 
 
 def block_decisions(plan: Plan) -> list[str]:
     """What the plan does with each block: ``keep``, ``recompute`` (``recompute x2`` when nested twice),
-    or ``attn``/``ffn``/``sub`` when only those sub-modules are recomputed."""
+    or ``recompute attn``/``recompute ffn``/``recompute sub`` when only those sub-modules are recomputed."""
     runs = [0] * len(plan.blocks)
     labels = ["keep"] * len(plan.blocks)
 
@@ -288,6 +302,22 @@ def block_decisions(plan: Plan) -> list[str]:
         elif r > 1:
             labels[k] = f"recompute x{r}"
     return labels
+
+
+def _cell_texts(values: Sequence[float]) -> list[str]:
+    """The values with as many decimals as their largest needs (one format for a whole row)."""
+    top = max([abs(v) for v in values] + [0.0])
+    digits = 0 if top >= 100 else 1 if top >= 10 else 2
+    return [f"{v:.{digits}f}" for v in values]
+
+
+def _segment_edges(plan: Plan) -> list[int]:
+    """Block indices where each top-level operation starts, and the end (a segment of several blocks
+    is one checkpoint, so the heatmap draws its edges)."""
+    edges = [0]
+    for op in plan.ops:
+        edges.append(op.stop if isinstance(op, Recompute) else op.index + 1)
+    return edges
 
 
 def plot_heatmap(profile: Profile, plan: Plan, path: str | Path) -> Path:
@@ -324,8 +354,8 @@ def plot_heatmap(profile: Profile, plan: Plan, path: str | Path) -> Path:
     fig = _figure(width, 4.2)
     axes = fig.subplots(3, 1, sharex=True)
     rows: list[tuple[str, list[float], str, list[str]]] = [
-        (f"saved for\nbackward ({b_unit})", [s / b_div for s in saved], "Blues", [f"{s / b_div:.3g}" for s in saved]),
-        (f"recompute\ntime ({t_unit})", [t / t_div for t in recompute_ms], "Oranges", [f"{t / t_div:.3g}" for t in recompute_ms]),
+        (f"saved for\nbackward ({b_unit})", [s / b_div for s in saved], "Blues", _cell_texts([s / b_div for s in saved])),
+        (f"recompute\ntime ({t_unit})", [t / t_div for t in recompute_ms], "Oranges", _cell_texts([t / t_div for t in recompute_ms])),
     ]
     annotate = n <= 40
     fontsize = 8 if n <= 16 else 6.5
@@ -343,14 +373,16 @@ def plot_heatmap(profile: Profile, plan: Plan, path: str | Path) -> Path:
     ax.set_yticks([0], ["plan's\ndecision"], fontsize=9)
     if annotate:
         for k, d in enumerate(decisions):
-            ax.text(k, 0, d.replace("recompute", "recomp."), ha="center", va="center", fontsize=fontsize, color="black" if d == "keep" else "white")
+            ax.text(k, 0, d.replace("recompute ", "recomp.\n").replace("recompute", "recomp."), ha="center", va="center", fontsize=fontsize, color="black" if d == "keep" else "white")
+    for edge in _segment_edges(plan)[1:-1]:
+        ax.axvline(edge - 0.5, color="black", linewidth=2.5)
     names = [b.name for b in profile.blocks]
     ax.set_xticks(range(n), names, rotation=45 if n > 6 else 0, ha="right" if n > 6 else "center", fontsize=8)
     for a in axes:
         a.set_xticks([k + 0.5 for k in range(n - 1)], minor=True)
         a.grid(True, which="minor", color="white", linewidth=1.5)
         a.tick_params(which="minor", length=0)
-    ax.set_xlabel("block, in forward order")
+    ax.set_xlabel("block, in forward order (thick lines: edges of checkpointed segments)")
     checkpointed = len(plan.checkpointed)
     axes[0].set_title(
         f"Per block: {plan.strategy} recomputes {checkpointed}/{n} blocks"
@@ -360,7 +392,13 @@ def plot_heatmap(profile: Profile, plan: Plan, path: str | Path) -> Path:
     return _save(fig, out)
 
 
-_DECISION_COLORS = {"keep": "#D9D9D9", "recompute": "#C44E52", "attn": "#E8B04B", "ffn": "#8C6BB1", "sub": "#7F9F5F"}
+_DECISION_COLORS = {
+    "keep": "#D9D9D9",
+    "recompute": "#C44E52",
+    "recompute attn": "#B7791F",
+    "recompute ffn": "#8C6BB1",
+    "recompute sub": "#5F7F3F",
+}
 _NESTED_COLORS = ("#8E1B1F", "#5C0F12", "#3A080A")  # recomputed twice, three times, more
 
 
@@ -463,13 +501,13 @@ def _heatmap_plan(result: BenchResult, profile: Profile) -> Plan:
     from remat.plan.planner import plan as make_plan
     from remat.plan.strategies import full
 
-    solved = [r for r in result.rows if r.label.startswith("optimal") and r.budget_bytes is not None]
-    fitting = [r for r in solved if r.budget_bytes is not None and r.peak_bytes <= r.budget_bytes]
-    pick: Any = min(fitting or solved, key=lambda r: r.budget_bytes, default=None)
-    if pick is None:
+    solved = [(r.budget_bytes, r) for r in result.rows if r.label.startswith("optimal") and r.budget_bytes is not None]
+    fitting = [(b, r) for b, r in solved if r.peak_bytes <= b]
+    candidates = fitting or solved
+    if not candidates:
         return make_plan(profile, strategy=full())
-    chosen = make_plan(profile, pick.budget_bytes, solver="optimal")
-    return Plan(**{**chosen.__dict__, "strategy": pick.label})
+    budget_bytes, row = min(candidates, key=lambda c: c[0])
+    return replace(make_plan(profile, budget_bytes, solver="optimal"), strategy=row.label)
 
 
 def write_bench_plots(result: BenchResult, profile: Profile, directory: str | Path) -> list[Path]:
