@@ -41,8 +41,9 @@ def random_chain(rng: np.random.Generator, n: int, hi: int, *, negative_keep: bo
         keep = keep - rng.integers(0, hi // 2 + 1, n + 1)
     keep[-1] = 0
     x = rng.integers(1, hi, n + 1)
+    fwd = rng.uniform(0.5, 5.0, n + 1)
     return Chain(
-        fwd_ms=tuple(float(v) for v in rng.uniform(0.5, 5.0, n + 1)),
+        fwd_ms=tuple(float(v) for v in fwd),
         bwd_ms=tuple(float(v) for v in rng.uniform(0.5, 10.0, n + 1)),
         x_bytes=tuple(int(v) for v in x),
         keep_bytes=tuple(int(v) for v in keep),
@@ -53,6 +54,7 @@ def random_chain(rng: np.random.Generator, n: int, hi: int, *, negative_keep: bo
         tail_peak_bytes=int(rng.integers(0, hi)),
         # Part of each output not saved by its own block (at most the next block's input).
         out_free_bytes=tuple(int(v) for v in rng.integers(0, np.append(x[1:], 1) + 1)),
+        ckpt_fwd_ms=tuple(float(v) for v in fwd + rng.uniform(0.0, 2.0, n + 1)),
     )
 
 

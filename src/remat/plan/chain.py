@@ -37,7 +37,8 @@ Memory is simulated (``remat.plan.simulate``) with a level ``L`` starting at ``b
                                 (the recomputed output is not kept: torch stops recomputing once
                                 every saved tensor is back, and nothing holds the output)
   after the chain:              peak base + tail_peak
-Time is the sum of every forward run (recomputations included) and every backward.
+Time is the sum of every forward run (recomputations included) and every backward; a no-save
+forward under a checkpoint costs ``ckpt_fwd_ms`` (measured, checkpoint overhead included).
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ class Chain:
         out_free_bytes: Bytes of each block's output that the block does not save itself (default 0):
             when the block ends a recomputed region, torch stops the recomputation before (or frees
             right after) producing them, so they are not held during its backward.
+        ckpt_fwd_ms: Cost of each block's no-save forward under a checkpoint, milliseconds (default
+            ``fwd_ms``). The profile measures it so that it also carries every overhead of
+            checkpointing the block (hooks, RNG state, unpacking): a block checkpointed on its own
+            costs ``ckpt_fwd_ms + fwd_ms + bwd_ms`` in all, as measured.
     """
 
     fwd_ms: tuple[float, ...]
@@ -81,10 +86,13 @@ class Chain:
     pre_peak_bytes: int = 0
     tail_peak_bytes: int = 0
     out_free_bytes: tuple[int, ...] = ()
+    ckpt_fwd_ms: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.out_free_bytes:
             object.__setattr__(self, "out_free_bytes", (0,) * len(self.fwd_ms))
+        if not self.ckpt_fwd_ms:
+            object.__setattr__(self, "ckpt_fwd_ms", tuple(self.fwd_ms))
         sizes = {f.name: len(getattr(self, f.name)) for f in fields(self) if isinstance(getattr(self, f.name), tuple)}
         if len(set(sizes.values())) != 1 or next(iter(sizes.values())) < 1:
             raise RematError(f"chain: per-block tuples must all have n + 1 >= 1 entries (the head last); got {sizes}")

@@ -14,9 +14,10 @@ then their backward, with ``m`` bytes of headroom above the level at the start o
 
   s == t          f[s] + b[s]                                   if fp[s] <= m and S[s] + bp[s] <= m
   keep-first      f[s] + b[s] + opt(s+1, t, m - S[s])           if fp[s] <= m and S[s] + bp[s] <= m
-  checkpoint k    sum(f[s..k-1]) + opt(k, t, m - x[k]) + opt(s, k-1, m - x[k])
+  checkpoint k    sum(g[s..k-1]) + opt(k, t, m - x[k]) + opt(s, k-1, m - x[k])
                   (s < k <= t)                                   if nosave(s, k) <= m
-  with nosave(s, k) = max over q in s..k-1 of fp[q] + (x[q] if q > s else 0).
+  with nosave(s, k) = max over q in s..k-1 of fp[q] + (x[q] if q > s else 0), and g the cost of a
+  no-save forward under a checkpoint (``ckpt_fwd_ms``, measured: checkpoint overhead included).
 
 Keep-first yields ``Keep(s)`` and the plan of ``s+1..t``; checkpoint ``k`` yields
 ``Recompute(s, k, plan(s, k-1))`` then the plan of ``k..t``. The inner plan ``plan(s, k-1)`` ends
@@ -220,8 +221,8 @@ class _Simulator:
         if isinstance(op, Recompute):
             for q in range(op.start, op.stop):
                 self._rise(c.fwd_peak_bytes[q] + (c.x_bytes[q] if q > op.start else 0))
-                if replay:
-                    self.extra_ms += float(c.fwd_ms[q])
+                # The no-save run costs ckpt_fwd_ms; the plain forward counted once is then not run.
+                self.extra_ms += float(c.ckpt_fwd_ms[q]) - (0.0 if replay else float(c.fwd_ms[q]))
             self.level += c.x_bytes[op.stop]
             return
         keep, fwd_peak, _ = self._block_sizes(op)
@@ -415,7 +416,7 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
             fsum = 0.0
             later = -_INF  # max of fp[q] + x[q] over q in s+1..t: blocks that hold their input
             for s in range(t, -1, -1):
-                fsum = float(f[s]) + fsum
+                fsum = float(chain.ckpt_fwd_ms[s]) + fsum
                 if s < t:
                     later = max(later, int(chain.fwd_peak_bytes[s + 1]) + int(chain.x_bytes[s + 1]))
                 nosave = int(max(int(chain.fwd_peak_bytes[s]), later))

@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from remat.blocks import Block, blocks as find_blocks
+from remat.apply.runtime import install, uninstall
 from remat.blocks import fingerprint, resolve
 from remat.errors import BlockSelectionError, RematError
 from remat.measure.trace import (
@@ -27,6 +28,7 @@ from remat.measure.trace import (
     train_step,
     zero_grads,
 )
+from remat.plan.chain import Keep, Op, Recompute, RecomputeSub
 from remat.profile.types import BlockProfile, Profile, SubProfile
 
 __all__ = ["profile", "probe"]
@@ -155,6 +157,60 @@ def probe(model: nn.Module, block_list: Sequence[Block], callback: Callback, *, 
         yield p
 
 
+# NOTE [ Measured checkpoint costs ]
+# Checkpointing a block costs more than running its forward again: saved-tensor hooks, RNG state,
+# unpacking, Python. The profile does not guess that overhead: it times the step with every block
+# checkpointed on its own (and with every attention / FFN sub-module checkpointed) and charges each
+# block what its forward + backward really took in that configuration beyond the plain one. The
+# solver then prices a checkpointed block at ``ckpt_fwd_ms`` (the no-save forward with all overhead)
+# plus its plain forward and backward; a sub-module variant at its measured extra time.
+
+
+def _timing_configs(block_list: Sequence[Block]) -> dict[str, tuple[Op, ...]]:
+    n = len(block_list)
+    configs: dict[str, tuple[Op, ...]] = {
+        "plain": tuple(Keep(i) for i in range(n)),
+        "full": tuple(Recompute(i, i + 1, (Keep(i),)) for i in range(n)),
+    }
+    for kind in ("attention_fqns", "ffn_fqns"):
+        if any(getattr(b, kind) for b in block_list):
+            configs[kind] = tuple(
+                RecomputeSub(i, getattr(b, kind)) if getattr(b, kind) else Keep(i) for i, b in enumerate(block_list)
+            )
+    return configs
+
+
+def _timed_step(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor],
+    block_list: Sequence[Block],
+    members: list[list[nn.Module]],
+    ops: tuple[Op, ...],
+    dev: torch.device,
+) -> list[tuple[str, int, int]]:
+    """One training step with ``ops`` installed; wall-clock time of every boundary (first is start)."""
+    events: list[tuple[str, int, int]] = []
+
+    def clock(kind: str, i: int) -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        events.append((kind, i, time.perf_counter_ns()))
+
+    touched = install(model, ops, members, [b.fqns for b in block_list])
+    try:
+        with probe(model, block_list, clock):
+            zero_grads(model)
+            events.append(("start", 0, time.perf_counter_ns()))
+            train_step(model, inputs, loss_fn)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            events.append(("end", 0, time.perf_counter_ns()))
+    finally:
+        uninstall(touched)
+    return events
+
+
 def _times(events: list[tuple[str, int, int]]) -> dict[tuple[str, int], int]:
     out: dict[tuple[str, int], int] = {}
     for kind, i, t in events:
@@ -212,27 +268,20 @@ def profile(
             step()
         held = held_bytes(model, inputs)
 
-        # Times: wall clock at each boundary, median over repeats.
-        runs: list[list[tuple[str, int, int]]] = []
+        # Times: wall clock at each boundary, median over repeats, for the plain model and (NOTE
+        # [ Measured checkpoint costs ]) with every block, every attention, every FFN checkpointed,
+        # interleaved so that drifts of the machine hit every configuration alike.
+        configs = _timing_configs(block_list)
+        members = resolve(model, block_list)
+        runs: dict[str, list[list[tuple[str, int, int]]]] = {name: [] for name in configs}
         step_ms: list[float] = []
-        for _ in range(repeats):
-            events: list[tuple[str, int, int]] = []
-
-            def clock(kind: str, i: int, events: list[tuple[str, int, int]] = events) -> None:
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                events.append((kind, i, time.perf_counter_ns()))
-
-            with probe(model, block_list, clock):
-                zero_grads(model)
-                t0 = time.perf_counter_ns()
-                train_step(model, inputs, loss_fn)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                t_end = time.perf_counter_ns()
-            events.append(("end", 0, t_end))
-            step_ms.append((t_end - t0) / 1e6)
-            runs.append(events)
+        for r in range(repeats + 1):  # round 0 warms every configuration up
+            for name, ops in configs.items():
+                events = _timed_step(model, inputs, loss_fn, block_list, members, ops, dev)
+                if r:
+                    runs[name].append(events)
+                    if name == "plain":
+                        step_ms.append((events[-1][2] - events[0][2]) / 1e6)
 
         # Memory: every allocation of one step, with the boundaries as markers.
         with probe(model, block_list, lambda kind, i: mark(f"{kind}{i}"), track=True) as tracked:
@@ -271,7 +320,7 @@ def _assemble(
     block_list: Sequence[Block],
     tracked: _Probe,
     trace: MemoryTrace,
-    runs: list[list[tuple[str, int, int]]],
+    runs: dict[str, list[list[tuple[str, int, int]]]],
     step_ms: list[float],
     flops: dict[tuple[str, int], int],
     held: int,
@@ -289,11 +338,15 @@ def _assemble(
             return default
         raise RematError(f"profile: no {kind}{i} boundary was recorded; the block's output must require grad")
 
-    timings = [_times(events) for events in runs]
+    timings = {name: [_times(events) for events in config_runs] for name, config_runs in runs.items()}
 
-    def ms(a: tuple[str, int], b: tuple[str, int], fallback: str = "end") -> float:
-        vals = [(t.get(b, t.get((fallback, 0), 0)) - t[a]) / 1e6 for t in timings if a in t]
+    def ms(a: tuple[str, int], b: tuple[str, int], config: str = "plain") -> float:
+        vals = [(t.get(b, t[("end", 0)]) - t[a]) / 1e6 for t in timings.get(config, []) if a in t]
         return max(0.0, median(vals))
+
+    def block_ms(i: int, config: str) -> float:
+        # Forward plus backward of block i in a configuration (recomputation included).
+        return ms(("F", i), ("f", i), config) + ms(("B", i), ("b", i), config)
 
     def fl(a: tuple[str, int], b: tuple[str, int]) -> int:
         return max(0, flops.get(b, flops.get(("end", 0), 0)) - flops.get(a, 0))
@@ -304,6 +357,7 @@ def _assemble(
         f0, f1 = mt("F", i), mt("f", i)
         b0, b1 = mt("B", i), mt("b", i, end)
         l_f0 = trace.level_at(f0)
+        plain_ms = block_ms(i, "plain")
         subs = []
         for fqn in (*b.attention_fqns, *b.ffn_fqns):
             slot = n + sub_index
@@ -314,6 +368,11 @@ def _assemble(
                     saved_bytes=sum(saved.values()),
                     output_bytes=sum(tracked.outputs[slot].values()),
                     fwd_ms=ms(("S", sub_index), ("s", sub_index)),
+                    # NOTE [ Measured checkpoint costs ]: the block's extra time with this sub checkpointed.
+                    extra_ms=max(
+                        ms(("S", sub_index), ("s", sub_index)),
+                        block_ms(i, "attention_fqns" if fqn in b.attention_fqns else "ffn_fqns") - plain_ms,
+                    ),
                 )
             )
             sub_index += 1
@@ -330,6 +389,9 @@ def _assemble(
                 bwd_peak_bytes=trace.peak_between(b0, b1) - trace.level_at(f1),
                 fwd_ms=ms(("F", i), ("f", i)),
                 bwd_ms=ms(("B", i), ("b", i)),
+                # NOTE [ Measured checkpoint costs ]: what checkpointing the block adds beyond its plain
+                # forward + backward, at least one more forward.
+                ckpt_fwd_ms=max(ms(("F", i), ("f", i)), block_ms(i, "full") - plain_ms),
                 fwd_flops=fl(("F", i), ("f", i)),
                 bwd_flops=fl(("B", i), ("b", i)),
                 subs=tuple(subs),

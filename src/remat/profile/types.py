@@ -22,13 +22,16 @@ class SubProfile:
         fqn: The sub-module's name.
         saved_bytes: Bytes autograd saves inside it, its input excluded (what checkpointing it frees).
         output_bytes: Bytes of its output.
-        fwd_ms: Its forward time (the cost of recomputing it), milliseconds.
+        fwd_ms: Its forward time, milliseconds.
+        extra_ms: Measured extra time of its block's step when it is checkpointed (recomputation and
+            checkpoint overhead), milliseconds.
     """
 
     fqn: str
     saved_bytes: int
     output_bytes: int
     fwd_ms: float
+    extra_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,8 @@ class BlockProfile:
         subs: Attention / FFN sub-modules of a mixed block.
         output_saved_bytes: Bytes of its outputs that the block itself saves for backward (e.g. a
             final ReLU's result); the rest is not held when the block ends a recomputed region.
+        ckpt_fwd_ms: Measured cost of its no-save forward under a checkpoint, every overhead of
+            checkpointing it included (so checkpointing it costs this on top of a plain step), ms.
     """
 
     input_bytes: int
@@ -64,6 +69,7 @@ class BlockProfile:
     bwd_flops: int
     subs: tuple[SubProfile, ...] = ()
     output_saved_bytes: int = 0
+    ckpt_fwd_ms: float = 0.0
 
     @property
     def fwd_transient_bytes(self) -> int:
@@ -126,6 +132,7 @@ class Profile:
             pre_peak_bytes=self.pre_peak_bytes,
             tail_peak_bytes=self.tail_peak_bytes,
             out_free_bytes=tuple(b.output_bytes - b.output_saved_bytes for b in bps) + (0,),
+            ckpt_fwd_ms=tuple(max(b.ckpt_fwd_ms, b.fwd_ms) for b in bps) + (self.head_ms,),
         )
 
     def sub_costs(self) -> dict[tuple[int, tuple[str, ...]], tuple[int, float]]:
@@ -137,7 +144,7 @@ class Profile:
                 if group and all(f in by_fqn for f in group):
                     out[(i, group)] = (
                         sum(by_fqn[f].saved_bytes for f in group),
-                        sum(by_fqn[f].fwd_ms for f in group),
+                        sum(max(by_fqn[f].extra_ms, by_fqn[f].fwd_ms) for f in group),
                     )
         return out
 
