@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(SUBCOMMANDS[args.command].run(args) or 0)
     except RematError as e:
-        err_console.print(f"error: {e}", markup=False)
+        err_console.print(f"error: {e}", markup=False, soft_wrap=True)
         return 1
 
 
