@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from remat.apply.runtime import Keep, _Span, install, installed_modules, run_checkpointed, uninstall
-from remat.blocks import Block, blocks as find_blocks
-from remat.blocks import fingerprint, resolve
+from remat.blocks import Block, fingerprint, resolve
+from remat.blocks import blocks as find_blocks
 from remat.errors import BlockSelectionError, PlanMismatchError, RematError
 from remat.plan.strategies import Strategy, _Named
 from remat.plan.types import Plan

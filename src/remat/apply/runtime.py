@@ -89,9 +89,8 @@ def _frozen_batchnorm(bns: Sequence[nn.Module]) -> Iterator[None]:
     saved = []
     for bn in bns:
         if bn.training and getattr(bn, "track_running_stats", False):
-            saved.append(
-                [(buf, buf.detach().clone()) for buf in (bn.running_mean, bn.running_var, bn.num_batches_tracked) if buf is not None]
-            )
+            buffers = [getattr(bn, name) for name in ("running_mean", "running_var", "num_batches_tracked")]
+            saved.append([(buf, buf.detach().clone()) for buf in buffers if isinstance(buf, torch.Tensor)])
     try:
         yield
     finally:
@@ -197,10 +196,10 @@ def install(model: nn.Module, ops: tuple[Op, ...], members: Sequence[list[nn.Mod
         Every module whose ``forward`` was overridden.
     """
     touched: list[nn.Module] = []
-    for op in _sub_ops(ops):
+    for sub_op in _sub_ops(ops):
         # Wherever a RecomputeSub sits in the tree, its block's final run is the one that keeps
         # tensors; in the no-save runs above it the sub-module's own checkpoint is harmless.
-        for fqn in op.fqns:
+        for fqn in sub_op.fqns:
             sub = model.get_submodule(fqn)
             span = _Span(ops=(Keep(0),), members={0: [sub]}, multi=False, batchnorms=_bns([sub]))
             _set_role(sub, _Role(span, 0, sub.__dict__.get("forward"), fqn))

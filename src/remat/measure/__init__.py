@@ -11,10 +11,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from remat.apply import apply, applied, remove
+from remat.apply import applied, apply, remove
 from remat.apply.runtime import count_forwards
-from remat.blocks import Block, blocks as find_blocks
-from remat.blocks import resolve
+from remat.blocks import Block, resolve
+from remat.blocks import blocks as find_blocks
 from remat.errors import BlockSelectionError, RematError
 from remat.measure.trace import (
     MemoryTrace,

@@ -19,7 +19,16 @@ from remat.apply import apply, remove
 from remat.apply.runtime import count_forwards
 from remat.blocks import resolve
 from remat.measure import _compare_grads, _grads
-from remat.measure.trace import device_of, held_bytes, median, preserved, record_memory, timed_steps, train_step, zero_grads
+from remat.measure.trace import (
+    device_of,
+    held_bytes,
+    median,
+    preserved,
+    record_memory,
+    timed_steps,
+    train_step,
+    zero_grads,
+)
 from remat.plan.types import Plan
 
 __all__ = ["BenchRow", "BenchResult", "compare"]
@@ -117,6 +126,10 @@ def compare(
     """
     dev = device_of(model, inputs)
     tick = progress or (lambda _label: None)
+    def step() -> None:
+        zero_grads(model)
+        train_step(model, inputs, loss_fn)
+
     before = remove(model)
     peaks: list[int] = []
     counts: list[dict[str, int]] = []
@@ -126,7 +139,7 @@ def compare(
         with preserved(model, inputs):
             plain = _grads(model, inputs, loss_fn)
             held = 0
-            for i, plan in enumerate(plans):
+            for plan in plans:
                 apply(model, plan)
                 try:
                     # preserved(): every plan starts from the plain run's RNG state (same dropout masks).
@@ -138,7 +151,7 @@ def compare(
                         held = held_bytes(model, inputs)
                         firsts = [mods[0] for mods in resolve(model, plan.blocks)]
                         with count_forwards(firsts) as c:
-                            trace = record_memory(lambda: (zero_grads(model), train_step(model, inputs, loss_fn)), dev)
+                            trace = record_memory(step, dev)
                     peaks.append(trace.peak_bytes)
                     counts.append({b.name: c[id(m)] for b, m in zip(plan.blocks, firsts)})
                 finally:

@@ -44,7 +44,7 @@ forward under a checkpoint costs ``ckpt_fwd_ms`` (measured, checkpoint overhead 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Union
+from typing import Any
 
 from remat.errors import RematError
 
@@ -136,7 +136,7 @@ class RecomputeSub:
         return f"S{self.index}{{{','.join(self.fqns)}}}"
 
 
-Op = Union[Keep, Recompute, RecomputeSub]
+Op = Keep | Recompute | RecomputeSub
 
 
 def ops_repr(ops: tuple[Op, ...]) -> str:

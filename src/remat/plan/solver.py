@@ -399,9 +399,9 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
             else:
                 best = np.full(size, _INF)
                 for _fqns, units, ok, _last_ok, fb in kept[s]:
-                    keep = _shift(opt[s + 1, t], units) + fb
-                    keep[: max(0, min(ok, size))] = _INF
-                    np.minimum(best, keep, out=best)
+                    cand = _shift(opt[s + 1, t], units) + fb
+                    cand[: max(0, min(ok, size))] = _INF
+                    np.minimum(best, cand, out=best)
                 hi = t + 1 if nested else s + 2
                 buf = scratch[: hi - s - 1]
                 np.add(shifted[t, s + 1 : hi], shifted[s, s + 1 : hi], out=buf)

@@ -13,9 +13,9 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from remat.blocks import Block, blocks as find_blocks
 from remat.apply.runtime import install, uninstall
-from remat.blocks import fingerprint, resolve
+from remat.blocks import Block, fingerprint, resolve
+from remat.blocks import blocks as find_blocks
 from remat.errors import BlockSelectionError, RematError
 from remat.measure.trace import (
     MemoryTrace,
