@@ -38,7 +38,8 @@ Memory is simulated (``remat.plan.simulate``) with a level ``L`` starting at ``b
                                 every saved tensor is back, and nothing holds the output)
   after the chain:              peak base + tail_peak
 Time is the sum of every forward run (recomputations included) and every backward; a no-save
-forward under a checkpoint costs ``ckpt_fwd_ms`` (measured, checkpoint overhead included).
+forward under a checkpoint costs ``ckpt_fwd_ms`` per block plus ``ckpt_call_ms`` per checkpoint call
+(both measured, see NOTE [ Measured checkpoint costs ] in ``remat.profile.profiler``).
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ class Chain:
         ckpt_fwd_ms: Cost of each block's no-save forward under a checkpoint, milliseconds (default
             ``fwd_ms``). The profile measures it so that it also carries every overhead of
             checkpointing the block (hooks, RNG state, unpacking): a block checkpointed on its own
-            costs ``ckpt_fwd_ms + fwd_ms + bwd_ms`` in all, as measured.
+            costs ``ckpt_call_ms + ckpt_fwd_ms + fwd_ms + bwd_ms`` in all, as measured.
+        ckpt_call_ms: Fixed cost of one checkpoint call (RNG state, frame set-up), charged each time a
+            ``Recompute`` runs its no-save forward, milliseconds (default 0).
     """
 
     fwd_ms: tuple[float, ...]
@@ -87,6 +90,7 @@ class Chain:
     tail_peak_bytes: int = 0
     out_free_bytes: tuple[int, ...] = ()
     ckpt_fwd_ms: tuple[float, ...] = ()
+    ckpt_call_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.out_free_bytes:

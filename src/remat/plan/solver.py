@@ -17,7 +17,8 @@ then their backward, with ``m`` bytes of headroom above the level at the start o
   checkpoint k    sum(g[s..k-1]) + opt(k, t, m - x[k]) + opt(s, k-1, m - x[k])
                   (s < k <= t)                                   if nosave(s, k) <= m
   with nosave(s, k) = max over q in s..k-1 of fp[q] + (x[q] if q > s else 0), and g the cost of a
-  no-save forward under a checkpoint (``ckpt_fwd_ms``, measured: checkpoint overhead included).
+  no-save forward under a checkpoint (``ckpt_fwd_ms``, measured: checkpoint overhead included)
+  plus, once per checkpoint call, ``ckpt_call_ms``.
 
 Keep-first yields ``Keep(s)`` and the plan of ``s+1..t``; checkpoint ``k`` yields
 ``Recompute(s, k, plan(s, k-1))`` then the plan of ``k..t``. The inner plan ``plan(s, k-1)`` ends
@@ -219,6 +220,7 @@ class _Simulator:
         bytes of a last recomputed block's output are not held (``out_free_bytes``)."""
         c = self.chain
         if isinstance(op, Recompute):
+            self.extra_ms += float(c.ckpt_call_ms)
             for q in range(op.start, op.stop):
                 self._rise(c.fwd_peak_bytes[q] + (c.x_bytes[q] if q > op.start else 0))
                 # The no-save run costs ckpt_fwd_ms; the plain forward counted once is then not run.
@@ -420,7 +422,7 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
                 if s < t:
                     later = max(later, int(chain.fwd_peak_bytes[s + 1]) + int(chain.x_bytes[s + 1]))
                 nosave = int(max(int(chain.fwd_peak_bytes[s]), later))
-                w = _shift(opt[s, t], inner_units[t + 1]) + fsum
+                w = _shift(opt[s, t], inner_units[t + 1]) + (fsum + float(chain.ckpt_call_ms))
                 w[: max(0, min(_ceil_div(nosave - slack[s], u), size))] = _INF
                 shifted[s, t + 1] = w
     return _Table(n, size, opt, shifted, rest_units, inner_units, kept, nested)

@@ -162,16 +162,22 @@ def probe(model: nn.Module, block_list: Sequence[Block], callback: Callback, *, 
 # unpacking, Python. The profile does not guess that overhead: it times the step with every block
 # checkpointed on its own (and with every attention / FFN sub-module checkpointed) and charges each
 # block what its forward + backward really took in that configuration beyond the plain one. The
-# solver then prices a checkpointed block at ``ckpt_fwd_ms`` (the no-save forward with all overhead)
-# plus its plain forward and backward; a sub-module variant at its measured extra time.
+# solver then prices a checkpointed block at ``ckpt_fwd_ms`` (the no-save forward with its overhead)
+# plus its plain forward and backward; a sub-module variant at its measured extra time. Part of the
+# overhead comes once per checkpoint call, not per block: timing all blocks under one checkpoint as
+# well, the step-time difference to "full" is (n - 1) calls, which gives ``ckpt_call_ms``.
 
 
-def _timing_configs(block_list: Sequence[Block]) -> dict[str, tuple[Op, ...]]:
+def _timing_configs(block_list: Sequence[Block], *, chain: bool) -> dict[str, tuple[Op, ...]]:
     n = len(block_list)
+    keeps = tuple(Keep(i) for i in range(n))
     configs: dict[str, tuple[Op, ...]] = {
-        "plain": tuple(Keep(i) for i in range(n)),
+        "plain": keeps,
         "full": tuple(Recompute(i, i + 1, (Keep(i),)) for i in range(n)),
     }
+    if chain and n >= 2:
+        # One checkpoint around every block: against "full" (n checkpoints) it gives the cost per call.
+        configs["segment"] = (Recompute(0, n, keeps),)
     for kind in ("attention_fqns", "ffn_fqns"):
         if any(getattr(b, kind) for b in block_list):
             configs[kind] = tuple(
@@ -268,10 +274,15 @@ def profile(
             step()
         held = held_bytes(model, inputs)
 
+        # Memory: every allocation of one step, with the boundaries as markers.
+        with probe(model, block_list, lambda kind, i: mark(f"{kind}{i}"), track=True) as tracked:
+            trace = record_memory(step, dev)
+        _check_order(tracked.calls, tracked.order, block_list)
+
         # Times: wall clock at each boundary, median over repeats, for the plain model and (NOTE
         # [ Measured checkpoint costs ]) with every block, every attention, every FFN checkpointed,
         # interleaved so that drifts of the machine hit every configuration alike.
-        configs = _timing_configs(block_list)
+        configs = _timing_configs(block_list, chain=tracked.chain)
         members = resolve(model, block_list)
         runs: dict[str, list[list[tuple[str, int, int]]]] = {name: [] for name in configs}
         step_ms: list[float] = []
@@ -282,11 +293,6 @@ def profile(
                     runs[name].append(events)
                     if name == "plain":
                         step_ms.append((events[-1][2] - events[0][2]) / 1e6)
-
-        # Memory: every allocation of one step, with the boundaries as markers.
-        with probe(model, block_list, lambda kind, i: mark(f"{kind}{i}"), track=True) as tracked:
-            trace = record_memory(step, dev)
-        _check_order(tracked.calls, tracked.order, block_list)
 
         # FLOPs.
         flop_events: list[tuple[str, int, int]] = []
@@ -351,6 +357,11 @@ def _assemble(
     def fl(a: tuple[str, int], b: tuple[str, int]) -> int:
         return max(0, flops.get(b, flops.get(("end", 0), 0)) - flops.get(a, 0))
 
+    step_of = {name: median([(t[("end", 0)] - t[("start", 0)]) / 1e6 for t in ts]) for name, ts in timings.items()}
+    call_ms = 0.0
+    if "segment" in step_of and n >= 2:
+        call_ms = max(0.0, (step_of["full"] - step_of["segment"]) / (n - 1))
+
     sub_index = 0
     profiles = []
     for i, b in enumerate(block_list):
@@ -391,7 +402,7 @@ def _assemble(
                 bwd_ms=ms(("B", i), ("b", i)),
                 # NOTE [ Measured checkpoint costs ]: what checkpointing the block adds beyond its plain
                 # forward + backward, at least one more forward.
-                ckpt_fwd_ms=max(ms(("F", i), ("f", i)), block_ms(i, "full") - plain_ms),
+                ckpt_fwd_ms=max(ms(("F", i), ("f", i)), block_ms(i, "full") - plain_ms - call_ms),
                 fwd_flops=fl(("F", i), ("f", i)),
                 bwd_flops=fl(("B", i), ("b", i)),
                 subs=tuple(subs),
@@ -417,4 +428,5 @@ def _assemble(
         head_peak_bytes=trace.peak_between(last_end, last_bwd) - trace.level_at(last_end),
         head_ms=ms(("f", n - 1), ("B", n - 1)),
         tail_peak_bytes=max(0, trace.peak_between(tail_start, end) - base),
+        ckpt_call_ms=call_ms,
     )

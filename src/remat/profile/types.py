@@ -98,6 +98,7 @@ class Profile:
         head_peak_bytes: Peak rise from the end of the last block's forward to the start of its backward, bytes.
         head_ms: Time from the end of the last block's forward to the start of its backward, milliseconds.
         tail_peak_bytes: Peak after block 0's backward, above ``base_bytes``.
+        ckpt_call_ms: Measured fixed cost of one checkpoint call, milliseconds.
     """
 
     schema_version: ClassVar[int] = 1
@@ -117,6 +118,7 @@ class Profile:
     head_peak_bytes: int
     head_ms: float
     tail_peak_bytes: int
+    ckpt_call_ms: float = 0.0
 
     def chain(self) -> Chain:
         """The solver's view (see NOTE [ Chain cost model ] in ``remat.plan.chain``)."""
@@ -133,6 +135,7 @@ class Profile:
             tail_peak_bytes=self.tail_peak_bytes,
             out_free_bytes=tuple(b.output_bytes - b.output_saved_bytes for b in bps) + (0,),
             ckpt_fwd_ms=tuple(max(b.ckpt_fwd_ms, b.fwd_ms) for b in bps) + (self.head_ms,),
+            ckpt_call_ms=self.ckpt_call_ms,
         )
 
     def sub_costs(self) -> dict[tuple[int, tuple[str, ...]], tuple[int, float]]:
