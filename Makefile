@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 install: $(VENV)/.installed
 
 demo: install
-	$(BENCH_ENV) $(VENV)/bin/remat bench gpt --budget 40% --json bench.json
+	$(BENCH_ENV) $(VENV)/bin/remat bench gpt --budget 30% --budget 50% --budget 70% --json bench.json
 
 bench: demo
 
