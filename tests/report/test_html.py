@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import base64
 import io
 import re
@@ -12,32 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-import remat
-from remat.cli.bench import _plans
 from remat.cli.main import main
-from remat.measure.compare import compare
-from remat.models import workload
 from remat.report import write_report
 from remat.units import format_bytes
 
-SIZES = dict(n_layers=3, d_model=32, n_heads=2, seq_len=16, batch=2, vocab_size=64)
+from .conftest import SIZES
+
 IMG = re.compile(r'<img [^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
-
-
-@pytest.fixture(scope="module")
-def run() -> dict[str, Any]:
-    """Everything write_report needs, for a small GPT (one timing round)."""
-    w = workload("gpt", **SIZES)
-    prof = remat.profile(w.model, w.inputs, w.loss_fn, repeats=1)
-    plans = _plans(argparse.Namespace(strategy=[], budget=["60%"]), prof)
-    result = compare(w.model, w.inputs, w.loss_fn, plans, rounds=1, description=w.description)
-    chosen = next(p for p in plans if p.strategy.startswith("optimal"))
-    timelines = []
-    for p in (plans[0], chosen):
-        remat.apply(w.model, p)
-        timelines.append(remat.timeline(w.model, w.inputs, w.loss_fn))
-        remat.remove(w.model)
-    return {"profile": prof, "plan": chosen, "result": result, "frontier": remat.frontier(prof, points=6), "timelines": timelines}
 
 
 def decoded_pngs(text: str) -> list[np.ndarray]:

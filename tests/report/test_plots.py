@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,30 +10,12 @@ import numpy as np
 import pytest
 
 import remat
-from remat.cli.bench import _plans
 from remat.errors import MissingExtraError, RematError
-from remat.measure.compare import compare
 from remat.models import workload
 from remat.plan.chain import Keep, Recompute, RecomputeSub
 from remat.plan.types import Plan
 from remat.report import plot_comparison, plot_heatmap, plot_timelines, plot_tradeoff, write_bench_plots
 from remat.report.plots import block_decisions, bytes_unit, time_unit
-
-
-@pytest.fixture(scope="module")
-def run() -> dict[str, Any]:
-    """Profile, bench (one round) and timelines of a small GPT: what the charts draw."""
-    w = workload("gpt", n_layers=3, d_model=32, n_heads=2, seq_len=16, batch=2, vocab_size=64)
-    prof = remat.profile(w.model, w.inputs, w.loss_fn, repeats=1)
-    plans = _plans(argparse.Namespace(strategy=[], budget=["60%"]), prof)
-    result = compare(w.model, w.inputs, w.loss_fn, plans, rounds=1, description=w.description)
-    chosen = next(p for p in plans if p.strategy.startswith("optimal"))
-    timelines = []
-    for p in (plans[0], chosen):
-        remat.apply(w.model, p)
-        timelines.append(remat.timeline(w.model, w.inputs, w.loss_fn))
-        remat.remove(w.model)
-    return {"profile": prof, "plan": chosen, "result": result, "frontier": remat.frontier(prof, points=6), "timelines": timelines}
 
 
 def assert_png_has_content(path: Path) -> None:

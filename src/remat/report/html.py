@@ -24,7 +24,7 @@ from remat.plan.planner import Frontier
 from remat.plan.types import Plan
 from remat.profile.types import Profile
 from remat.report.plots import baseline_step_ms
-from remat.report.tables import budget_verdicts, mib
+from remat.report.tables import PROFILE_HEADERS, budget_verdicts, mib, profile_rows
 from remat.units import format_bytes, format_ms
 
 __all__ = ["write_report", "REPORT_HTML", "REPORT_MD"]
@@ -116,26 +116,6 @@ def _kv_table(rows: Sequence[tuple[str, str]]) -> str:
     return f'<table class="kv"><tbody>{body}</tbody></table>'
 
 
-def _profile_rows(profile: Profile) -> list[list[str]]:
-    return [
-        [
-            str(i),
-            b.name,
-            b.type_hint.value,
-            mib(bp.input_bytes),
-            mib(bp.output_bytes),
-            mib(bp.saved_bytes),
-            mib(bp.fwd_transient_bytes),
-            mib(bp.bwd_peak_bytes),
-            f"{bp.fwd_ms:.2f}",
-            f"{bp.bwd_ms:.2f}",
-            f"{bp.fwd_flops / 1e9:.3f}",
-        ]
-        for i, (b, bp) in enumerate(zip(profile.blocks, profile.block_profiles, strict=True))
-    ]
-
-
-_PROFILE_HEADERS = ("#", "block", "type", "in MiB", "out MiB", "saved MiB", "fwd tmp MiB", "bwd peak MiB", "fwd ms", "bwd ms", "fwd GFLOP")
 _BENCH_HEADERS = (
     "strategy",
     "blocks ckpt",
@@ -333,7 +313,7 @@ def write_report(
         "<h2>Profile</h2>",
         f"<p>Every block of the plain model measured on its batch (medians of timed steps). "
         f"Blocks form a chain: {'yes' if profile.is_chain else 'no'}.</p>",
-        _table(_PROFILE_HEADERS, _profile_rows(profile), numeric_from=3),
+        _table(PROFILE_HEADERS, profile_rows(profile), numeric_from=3),
         "<h2>Optimal frontier (predicted)</h2>",
         _table(
             ("plan", "budget MiB", "predicted peak MiB", "predicted recompute ms"),

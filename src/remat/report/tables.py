@@ -13,7 +13,7 @@ from remat.plan.types import Plan
 from remat.profile.types import Profile
 from remat.units import format_bytes, format_ms
 
-__all__ = ["profile_table", "plan_tree", "plans_table", "bench_table", "budget_verdicts", "mib"]
+__all__ = ["PROFILE_HEADERS", "profile_rows", "profile_table", "plan_tree", "plans_table", "bench_table", "budget_verdicts", "mib"]
 
 
 def mib(n: int | float | None) -> str:
@@ -25,13 +25,13 @@ def _gflops(n: int) -> str:
     return f"{n / 1e9:.2f}"
 
 
-def profile_table(profile: Profile) -> Table:
-    """One row per block: type, input/output/saved bytes, transients, times and FLOPs."""
-    t = Table(title=f"{profile.model} on {profile.device}: {len(profile.blocks)} blocks", title_justify="left")
-    for col in ("#", "block", "type", "in MiB", "out MiB", "saved MiB", "fwd tmp MiB", "bwd peak MiB", "fwd ms", "bwd ms", "fwd GFLOP"):
-        t.add_column(col, justify="left" if col in ("block", "type") else "right")
-    for i, (b, bp) in enumerate(zip(profile.blocks, profile.block_profiles)):
-        t.add_row(
+PROFILE_HEADERS = ("#", "block", "type", "in MiB", "out MiB", "saved MiB", "fwd tmp MiB", "bwd peak MiB", "fwd ms", "bwd ms", "fwd GFLOP")
+
+
+def profile_rows(profile: Profile) -> list[list[str]]:
+    """The cells of the per-block profile table (``PROFILE_HEADERS``), for the terminal and HTML."""
+    return [
+        [
             str(i),
             b.name,
             b.type_hint.value,
@@ -43,7 +43,18 @@ def profile_table(profile: Profile) -> Table:
             f"{bp.fwd_ms:.2f}",
             f"{bp.bwd_ms:.2f}",
             _gflops(bp.fwd_flops),
-        )
+        ]
+        for i, (b, bp) in enumerate(zip(profile.blocks, profile.block_profiles))
+    ]
+
+
+def profile_table(profile: Profile) -> Table:
+    """One row per block: type, input/output/saved bytes, transients, times and FLOPs."""
+    t = Table(title=f"{profile.model} on {profile.device}: {len(profile.blocks)} blocks", title_justify="left")
+    for col in PROFILE_HEADERS:
+        t.add_column(col, justify="left" if col in ("block", "type") else "right")
+    for row in profile_rows(profile):
+        t.add_row(*row)
     t.caption = (
         f"unplanned peak {format_bytes(profile.peak_bytes)} above {format_bytes(profile.held_bytes)} held; "
         f"step {format_ms(profile.step_ms)}; blocks form a chain: {'yes' if profile.is_chain else 'no'}"
