@@ -13,7 +13,9 @@ events are read for the timeline and the allocator's ``max_memory_allocated`` gi
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
+import sys
 import time
 from bisect import bisect_right
 from collections.abc import Callable, Iterator
@@ -180,6 +182,25 @@ class MemoryTrace:
         return out
 
 
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    # torch's profiler backend (kineto) prints "profiler_start" / "profiler_stop" lines on the
+    # process's stderr at every start and stop, whatever its log level; silence just those calls.
+    try:
+        sys.stderr.flush()
+        saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    except OSError:  # no file descriptor 2 (embedded interpreters): nothing to silence
+        yield
+        return
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def record_memory(step: Callable[[], Any], device: torch.device) -> MemoryTrace:
     """Run ``step`` once under the torch profiler and return its allocation trace.
 
@@ -191,12 +212,18 @@ def record_memory(step: Callable[[], Any], device: torch.device) -> MemoryTrace:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         start_alloc = torch.cuda.memory_allocated(device)
-    with torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=False) as prof:
+    prof = torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=False)
+    with _quiet_native_stderr():
+        prof.start()
+    try:
         mark("step_start")
         step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         mark("step_end")
+    finally:
+        with _quiet_native_stderr():
+            prof.stop()
     tree = prof.profiler.kineto_results.experimental_event_tree()  # type: ignore[union-attr]
     allocs: list[tuple[int, int]] = []
     marks: list[tuple[str, int]] = []
