@@ -13,7 +13,7 @@ import remat
 from remat.errors import PlanMismatchError, RematError
 from remat.models import Workload, workload
 from remat.plan.chain import Keep, Recompute
-from remat.plan.strategies import bench_strategies
+from remat.plan.strategies import STRATEGIES, bench_strategies
 from remat.plan.types import Plan
 
 from ..conftest import TinyNet, tiny_net_workload
@@ -44,9 +44,14 @@ def test_every_strategy_gives_bitwise_equal_gradients(name: str, request: pytest
     prof = remat.profile(w.model, w.inputs, w.loss_fn, repeats=1)
     strategies = bench_strategies(prof.blocks, prof)
     assert {s.name for s in strategies} >= {"none", "full", "every_nth", "selective", "dynamic", "ratio", "largest", "budget", "segments", "sqrt"}
+    # Every registered strategy, also those the bench leaves out here: named blocks (two consecutive
+    # layers as one block) and attention_only (a no-op on the MLP chain, which has no attention).
+    first, second = (b.fqns[0] for b in prof.blocks[:2])
+    strategies += [remat.named([[first, second]]), remat.attention_only(min_interval=2), remat.ffn_only()]
+    assert {s.name for s in strategies} == set(STRATEGIES)
     plain = grads_after_step(w)
     for s in strategies:
-        remat.apply(w.model, s, profile=prof)
+        remat.apply(w.model, s, profile=None if s.name == "named" else prof)
         try:
             ckpt = grads_after_step(w)
         finally:

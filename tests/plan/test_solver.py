@@ -237,7 +237,11 @@ def test_all_plans_counts_and_validity(n: int) -> None:
 # Oracle: the solvers against brute force over all plans (1-byte units, so the program is exact)
 # ------------------------------------------------------------------------------------------------
 
-ORACLE_CASES = [(seed, n) for seed in range(12) for n in (1, 2, 3, 4, 5, 6)] + [(100 + seed, 7) for seed in range(3)]
+ORACLE_CASES = (
+    [(seed, n) for seed in range(12) for n in (1, 2, 3, 4, 5, 6)]
+    + [(100 + seed, 7) for seed in range(3)]
+    + [(200 + seed, 8) for seed in range(2)]
+)
 
 
 @pytest.mark.parametrize("nested", [True, False], ids=["nested", "knapsack"])
