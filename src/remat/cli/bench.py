@@ -14,6 +14,7 @@ from remat.measure.compare import compare
 from remat.plan import plan as make_plan
 from remat.plan.strategies import bench_strategies, parse_strategy
 from remat.plan.types import Plan
+from remat.profile import Profile
 from remat.profile import profile as run_profile
 from remat.report.tables import bench_table, budget_verdicts
 
@@ -42,10 +43,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plots", type=Path, default=None, help="write the charts (PNG) into this directory")
 
 
-def _plans(args: argparse.Namespace, prof: object) -> list[Plan]:
-    from remat.profile import Profile
-
-    assert isinstance(prof, Profile)
+def _plans(args: argparse.Namespace, prof: Profile) -> list[Plan]:
     strategies = [parse_strategy(s) for s in args.strategy] or bench_strategies(prof.blocks, prof)
     if not any(s.name == "none" for s in strategies):
         strategies.insert(0, parse_strategy("none"))

@@ -607,13 +607,15 @@ def parse_strategy(text: str) -> Strategy:
     if rest:
         if not rest.endswith(")"):
             raise RematError(f"strategy: cannot read {text!r}; write e.g. every_nth(2)")
+        bad = RematError(f"strategy: cannot read the parameters of {text!r}; use literals, e.g. selective([0, 3])")
         try:
             call = ast.parse(f"f({rest}", mode="eval").body
-            assert isinstance(call, ast.Call)
+            if not isinstance(call, ast.Call):
+                raise bad
             args = tuple(ast.literal_eval(a) for a in call.args)
             kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg}
-        except (SyntaxError, ValueError, AssertionError):
-            raise RematError(f"strategy: cannot read the parameters of {text!r}; use literals, e.g. selective([0, 3])") from None
+        except (SyntaxError, ValueError):
+            raise bad from None
     cls = STRATEGIES[name]
     if name == "selective" and args:
         args = (tuple(args[0]) if isinstance(args[0], (list, tuple)) else args[0],)
