@@ -199,7 +199,7 @@ def test_keyword_arguments_and_tuple_dict_outputs() -> None:
 
 
 def test_multi_block_segment_on_a_non_chain_model_is_refused() -> None:
-    w = workload("unet", features=(4, 8), image_size=8, batch=1)
+    w = workload("unet", features=(4, 8), image_size=32, batch=2)
     with pytest.raises(RematError, match=r"downs.1' was called with something other than the output of the module before it"):
         blocks = remat.blocks(w.model)
         remat.apply(w.model, Plan("two-block segment", blocks, (Recompute(0, 2, (Keep(0), Keep(1))),)))

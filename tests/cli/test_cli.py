@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from remat.cli.main import main
+from remat.measure import Measurement
 from remat.plan.types import Plan
 from remat.profile import Profile
 
 # batch 64: activations dominate the per-checkpoint RNG state (about 5 KiB on CPU).
-MLP = ["mlp", "--set", "widths=(8, 32, 8, 48, 8, 24)", "--set", "batch=64"]
+MLP = ["mlp", "--set", "widths=(8, 32, 8, 48, 8, 24)", "--set", "batch=256"]
 
 
 def test_bench_writes_every_strategy_with_equal_gradients(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -36,10 +37,16 @@ def test_profile_and_plan_write_json_that_reads_back(tmp_path: Path) -> None:
     assert main(["profile", *MLP, "--repeats", "1", "--out", str(prof_path)]) == 0
     prof = Profile.from_json(prof_path.read_text())
     assert len(prof.blocks) == 5
-    assert main(["plan", *MLP, "--budget", "70%", "--profile", str(prof_path), "--out", str(plan_path)]) == 0
+    assert main(["plan", *MLP, "--budget", "85%", "--profile", str(prof_path), "--out", str(plan_path)]) == 0
     plan = Plan.from_json(plan_path.read_text())
     assert plan.fingerprint == prof.fingerprint
-    assert plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes <= 0.7 * prof.peak_bytes
+    assert plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes <= 0.85 * prof.peak_bytes
+    measured_path = tmp_path / "measure.json"
+    assert main(["measure", *MLP, "--plan", str(plan_path), "--steps", "1", "--out", str(measured_path)]) == 0
+    measured = Measurement.from_json(measured_path.read_text())
+    assert measured.plan == plan.strategy
+    assert abs(measured.peak_bytes - plan.predicted_peak_bytes) <= 0.1 * plan.predicted_peak_bytes
+    assert main(["measure", "mlp", "--set", "widths=(8, 16, 8)", "--plan", str(plan_path), "--steps", "1"]) == 1
 
 
 def test_user_factory(tmp_path: Path) -> None:
@@ -57,6 +64,8 @@ def test_user_factory(tmp_path: Path) -> None:
         (["bench", *MLP, "--strategy", "every_nth(0)"], "error: strategy every_nth: n=0 is invalid"),
         (["bench", "no_such_module:fn"], "error: model: cannot import 'no_such_module:fn'"),
         (["bench", "mlp", "--set", "depth"], "error: --set: cannot read 'depth'"),
+        (["measure", "mlp", "--plan", "/no/such/plan.json"], "error: cannot read '/no/such/plan.json'"),
+        (["measure", "mlp", "--plan", "/dev/null"], "error: plan json: not valid JSON"),
     ],
 )
 def test_user_mistakes_print_one_error_line_and_exit_1(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -55,7 +55,7 @@ def test_budget_as_share_bytes_and_errors(small_mlp: Workload) -> None:
 
 def test_knapsack_is_single_level_and_never_faster_than_optimal(small_gpt: Workload) -> None:
     prof = remat.profile(small_gpt.model, small_gpt.inputs, small_gpt.loss_fn, repeats=1)
-    for share in ("40%", "55%", "80%"):
+    for share in ("45%", "60%", "80%"):
         best = remat.plan(prof, share)
         single = remat.plan(prof, share, solver="knapsack")
         assert single.depth <= 1

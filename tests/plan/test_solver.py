@@ -56,6 +56,7 @@ def random_chain(rng: np.random.Generator, n: int, hi: int, *, negative_keep: bo
         out_free_bytes=tuple(int(v) for v in rng.integers(0, np.append(x[1:], 1) + 1)),
         ckpt_fwd_ms=tuple(float(v) for v in fwd + rng.uniform(0.0, 2.0, n + 1)),
         ckpt_call_ms=float(rng.choice([0.0, 0.5, 3.0])),
+        ckpt_state_bytes=int(rng.choice([0, 1, 3])),
     )
 
 

@@ -6,6 +6,7 @@ import ast
 import importlib
 import inspect
 from argparse import ArgumentParser
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -48,6 +49,14 @@ def _parse_sizes(items: list[str]) -> dict[str, Any]:
         except (ValueError, SyntaxError):
             sizes[key.strip()] = value.strip()
     return sizes
+
+
+def read_file(path: Path) -> str:
+    """The text of a file the user named, or a RematError saying why it cannot be read."""
+    try:
+        return path.read_text()
+    except OSError as e:
+        raise RematError(f"cannot read {str(path)!r}: {e.strerror}; check the path") from None
 
 
 def load_workload(spec: str, size_items: list[str]) -> Workload:

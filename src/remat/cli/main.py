@@ -6,11 +6,11 @@ import argparse
 import logging
 import sys
 
-from remat.cli import bench, plan, profile, report
+from remat.cli import bench, measure, plan, profile, report
 from remat.cli.common import err_console
 from remat.errors import RematError
 
-SUBCOMMANDS = {"bench": bench, "profile": profile, "plan": plan, "report": report}
+SUBCOMMANDS = {"bench": bench, "profile": profile, "plan": plan, "measure": measure, "report": report}
 
 
 def build_parser() -> argparse.ArgumentParser:

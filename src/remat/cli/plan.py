@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from remat.cli.common import add_model_args, console, load_workload
+from remat.cli.common import add_model_args, console, load_workload, read_file
 from remat.plan import SOLVERS
 from remat.plan import plan as make_plan
 from remat.plan.strategies import full, none
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     """Profile (or read a profile), solve, print the tree and the comparison, write the JSON."""
     w = load_workload(args.model, args.sizes)
     if args.profile is not None:
-        prof = Profile.from_json(args.profile.read_text())
+        prof = Profile.from_json(read_file(args.profile))
     else:
         with console.status(f"profiling {w.description}"):
             prof = run_profile(w.model, w.inputs, w.loss_fn)

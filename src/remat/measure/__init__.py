@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from remat._json import load
 from remat.apply import applied, apply, remove
 from remat.apply.runtime import count_forwards
 from remat.blocks import Block, resolve
@@ -64,9 +65,8 @@ class Measurement:
     @classmethod
     def from_json(cls, text: str) -> Measurement:
         """Read a measurement written by :meth:`to_json`."""
-        data = json.loads(text)
-        if data.pop("schema_version", None) != cls.schema_version:
-            raise RematError(f"measure json: schema_version is not {cls.schema_version}; measure again with this remat")
+        data = load(text, "measure", cls.schema_version)
+        data.pop("schema_version")
         data["step_ms_all"] = tuple(data["step_ms_all"])
         return cls(**data)
 

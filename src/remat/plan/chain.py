@@ -28,15 +28,16 @@ A plan is a sequence of operations over blocks ``0..n-1`` (the head is implicit 
 
 Memory is simulated (``remat.plan.simulate``) with a level ``L`` starting at ``base_bytes``:
   forward   Keep(k):            peak L + fp[k];  L += S[k]
-            Recompute(a, b):    peak L + fp[q] + (x[q] if q > a) for q in a..b-1;  L += x[b]
+            Recompute(a, b):    peak L + c + fp[q] + (x[q] if q > a) for q in a..b-1;  L += x[b] + c
             head:               peak L + fp[n];  L += S[n] (0)
   backward (reverse order)
             Keep(k):            peak L + bp[k];  L -= S[k]
-            Recompute(a, b, I): forward of I from L, then backward of I (reverse), then L -= x[b];
+            Recompute(a, b, I): forward of I from L, then backward of I (reverse), then L -= x[b] + c;
                                 the last block of I (always a Keep) holds S[b-1] - out_free[b-1]
                                 (the recomputed output is not kept: torch stops recomputing once
                                 every saved tensor is back, and nothing holds the output)
   after the chain:              peak base + tail_peak
+(c is ``ckpt_state_bytes``, the RNG state a checkpoint keeps.)
 Time is the sum of every forward run (recomputations included) and every backward; a no-save
 forward under a checkpoint costs ``ckpt_fwd_ms`` per block plus ``ckpt_call_ms`` per checkpoint call
 (both measured, see NOTE [ Measured checkpoint costs ] in ``remat.profile.profiler``).
@@ -77,6 +78,8 @@ class Chain:
             costs ``ckpt_call_ms + ckpt_fwd_ms + fwd_ms + bwd_ms`` in all, as measured.
         ckpt_call_ms: Fixed cost of one checkpoint call (RNG state, frame set-up), charged each time a
             ``Recompute`` runs its no-save forward, milliseconds (default 0).
+        ckpt_state_bytes: Bytes each checkpoint holds from its forward to the end of its backward
+            besides the segment's output: the RNG state it saves (about 5 KiB on CPU; default 0).
     """
 
     fwd_ms: tuple[float, ...]
@@ -91,6 +94,7 @@ class Chain:
     out_free_bytes: tuple[int, ...] = ()
     ckpt_fwd_ms: tuple[float, ...] = ()
     ckpt_call_ms: float = 0.0
+    ckpt_state_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.out_free_bytes:

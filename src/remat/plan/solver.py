@@ -222,10 +222,10 @@ class _Simulator:
         if isinstance(op, Recompute):
             self.extra_ms += float(c.ckpt_call_ms)
             for q in range(op.start, op.stop):
-                self._rise(c.fwd_peak_bytes[q] + (c.x_bytes[q] if q > op.start else 0))
+                self._rise(c.ckpt_state_bytes + c.fwd_peak_bytes[q] + (c.x_bytes[q] if q > op.start else 0))
                 # The no-save run costs ckpt_fwd_ms; the plain forward counted once is then not run.
                 self.extra_ms += float(c.ckpt_fwd_ms[q]) - (0.0 if replay else float(c.fwd_ms[q]))
-            self.level += c.x_bytes[op.stop]
+            self.level += c.x_bytes[op.stop] + c.ckpt_state_bytes
             return
         keep, fwd_peak, _ = self._block_sizes(op)
         self._rise(fwd_peak)
@@ -242,7 +242,7 @@ class _Simulator:
                 self.forward(inner_op, replay=True, discard=freed if i == last else 0)
             for i in range(last, -1, -1):
                 self.backward(op.inner[i], discard=freed if i == last else 0)
-            self.level -= self.chain.x_bytes[op.stop]
+            self.level -= self.chain.x_bytes[op.stop] + self.chain.ckpt_state_bytes
             return
         keep, _, bwd_peak = self._block_sizes(op)
         self._rise(bwd_peak)
@@ -369,8 +369,10 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
         slack.append(level_units[-1] * u - level)
         level += int(chain.keep_bytes[s])
     slack.append(0)
-    rest_units = [_ceil_div(int(chain.x_bytes[k]) + slack[k], u) for k in range(n + 1)]
-    inner_units = [_ceil_div(int(chain.x_bytes[k]), u) for k in range(n + 1)]
+    # A checkpoint holds the segment's output and its saved RNG state (ckpt_state_bytes).
+    held = [int(chain.x_bytes[k]) + int(chain.ckpt_state_bytes) for k in range(n + 1)]
+    rest_units = [_ceil_div(held[k] + slack[k], u) for k in range(n + 1)]
+    inner_units = [_ceil_div(held[k], u) for k in range(n + 1)]
     # NOTE [ Keep variants ]: a block kept with sub-modules checkpointed holds fewer bytes for more time.
     # Keeping s the plain way costs exactly level_units[s+1] - level_units[s] (the ceil telescopes);
     # any way costs ceil((S_v + slack[s+1] - slack[s]) / u), which is that for the plain S.
@@ -423,7 +425,7 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
                     later = max(later, int(chain.fwd_peak_bytes[s + 1]) + int(chain.x_bytes[s + 1]))
                 nosave = int(max(int(chain.fwd_peak_bytes[s]), later))
                 w = _shift(opt[s, t], inner_units[t + 1]) + (fsum + float(chain.ckpt_call_ms))
-                w[: max(0, min(_ceil_div(nosave - slack[s], u), size))] = _INF
+                w[: max(0, min(_ceil_div(nosave + int(chain.ckpt_state_bytes) - slack[s], u), size))] = _INF
                 shifted[s, t + 1] = w
     return _Table(n, size, opt, shifted, rest_units, inner_units, kept, nested)
 
@@ -526,13 +528,13 @@ def _peak_table(
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """``P[s, t]``: the least chain peak of running ``s..t`` above its entry level, and ``nosave``."""
     n = chain.n
-    x = np.asarray(chain.x_bytes, dtype=np.int64)
+    x = np.asarray(chain.x_bytes, dtype=np.int64) + int(chain.ckpt_state_bytes)  # what a checkpoint holds
     ways = _peak_ways(chain, variants)
     nosave = np.zeros((n + 1, n + 1), dtype=np.int64)  # nosave[s, k] for s < k
     for s in range(n):
         running = int(chain.fwd_peak_bytes[s])
         for k in range(s + 1, n + 1):
-            nosave[s, k] = running
+            nosave[s, k] = running + int(chain.ckpt_state_bytes)
             if k < n:
                 running = max(running, int(chain.fwd_peak_bytes[k]) + int(chain.x_bytes[k]))
     peak = np.zeros((n + 1, n + 1), dtype=np.int64)
@@ -564,7 +566,7 @@ def min_peak_plan(chain: Chain, *, nested: bool = True, sub_costs: SubCosts | No
     peak, nosave = _peak_table(chain, nested, variants)
     ways = _peak_ways(chain, variants)
     n = chain.n
-    x = chain.x_bytes
+    x = [int(v) + int(chain.ckpt_state_bytes) for v in chain.x_bytes]  # what a checkpoint holds
 
     def build(s: int, t: int) -> tuple[Op, ...]:
         ops: list[Op] = []

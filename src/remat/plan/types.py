@@ -6,8 +6,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
+from remat._json import load
 from remat.blocks import Block, LayerType
-from remat.errors import RematError
 from remat.plan.chain import Keep, Op, Recompute, RecomputeSub, ops_from_json, ops_repr, ops_to_json
 from remat.units import format_bytes, format_ms
 
@@ -131,10 +131,7 @@ class Plan:
         Raises:
             RematError: If the text is not a plan of this schema version.
         """
-        data = json.loads(text)
-        if not isinstance(data, dict) or data.get("schema_version") != cls.schema_version:
-            found = data.get("schema_version") if isinstance(data, dict) else type(data).__name__
-            raise RematError(f"plan json: schema_version {found!r} is not {cls.schema_version}; re-create the plan with this remat")
+        data = load(text, "plan", cls.schema_version)
         return cls(
             strategy=data["strategy"],
             blocks=tuple(block_from_json(b) for b in data["blocks"]),

@@ -429,4 +429,6 @@ def _assemble(
         head_ms=ms(("f", n - 1), ("B", n - 1)),
         tail_peak_bytes=max(0, trace.peak_between(tail_start, end) - base),
         ckpt_call_ms=call_ms,
+        # preserve_rng_state=True keeps torch.get_rng_state() per checkpoint (host memory).
+        ckpt_state_bytes=int(torch.get_rng_state().nbytes) if dev.type == "cpu" else 0,
     )

@@ -6,8 +6,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
+from remat._json import load
 from remat.blocks import Block
-from remat.errors import RematError
 from remat.plan.chain import Chain
 from remat.plan.types import block_from_json, block_to_json
 
@@ -99,6 +99,8 @@ class Profile:
         head_ms: Time from the end of the last block's forward to the start of its backward, milliseconds.
         tail_peak_bytes: Peak after block 0's backward, above ``base_bytes``.
         ckpt_call_ms: Measured fixed cost of one checkpoint call, milliseconds.
+        ckpt_state_bytes: Memory each checkpoint holds on the profiled device besides its output: the
+            CPU RNG state it preserves (on CUDA that state lives in host memory: 0), bytes.
     """
 
     schema_version: ClassVar[int] = 1
@@ -119,6 +121,7 @@ class Profile:
     head_ms: float
     tail_peak_bytes: int
     ckpt_call_ms: float = 0.0
+    ckpt_state_bytes: int = 0
 
     def chain(self) -> Chain:
         """The solver's view (see NOTE [ Chain cost model ] in ``remat.plan.chain``)."""
@@ -136,6 +139,7 @@ class Profile:
             out_free_bytes=tuple(b.output_bytes - b.output_saved_bytes for b in bps) + (0,),
             ckpt_fwd_ms=tuple(max(b.ckpt_fwd_ms, b.fwd_ms) for b in bps) + (self.head_ms,),
             ckpt_call_ms=self.ckpt_call_ms,
+            ckpt_state_bytes=self.ckpt_state_bytes,
         )
 
     def sub_costs(self) -> dict[tuple[int, tuple[str, ...]], tuple[int, float]]:
@@ -165,10 +169,7 @@ class Profile:
         Raises:
             RematError: If the text is not a profile of this schema version.
         """
-        data: dict[str, Any] = json.loads(text)
-        if not isinstance(data, dict) or data.get("schema_version") != cls.schema_version:
-            found = data.get("schema_version") if isinstance(data, dict) else type(data).__name__
-            raise RematError(f"profile json: schema_version {found!r} is not {cls.schema_version}; profile again with this remat")
+        data: dict[str, Any] = load(text, "profile", cls.schema_version)
         data.pop("schema_version")
         data["blocks"] = tuple(block_from_json(b) for b in data["blocks"])
         data["block_profiles"] = tuple(

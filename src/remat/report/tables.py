@@ -110,12 +110,16 @@ def bench_table(result: BenchResult) -> Table:
         "predicted MiB",
         "budget MiB",
         "step ms",
+        "predicted ms",
         "memory saved",
         "time overhead",
         "grads equal",
     ):
         t.add_column(col, justify="left" if col == "strategy" else "right")
+    base_ms = result.rows[0].step_ms if result.rows else 0.0
     for r in result.rows:
+        # Predicted step: the measured baseline plus the plan's predicted recomputation.
+        predicted_ms = "-" if r.predicted_extra_ms is None else f"{base_ms + r.predicted_extra_ms:.1f}"
         fits = "" if r.budget_bytes is None else (" [green]✓[/]" if r.peak_bytes <= r.budget_bytes else " [red]✗[/]")
         t.add_row(
             r.label,
@@ -124,6 +128,7 @@ def bench_table(result: BenchResult) -> Table:
             mib(r.predicted_peak_bytes),
             mib(r.budget_bytes) + fits if r.budget_bytes is not None else "-",
             f"{r.step_ms:.1f}",
+            predicted_ms,
             f"{r.saved_pct:.1f}%",
             f"{r.overhead_pct:+.1f}%",
             "[green]yes[/]" if r.grads_equal else "[red]NO[/]",

@@ -1,0 +1,52 @@
+"""``remat measure MODEL --plan plan.json``: apply a plan, measure real steps, write measure.json."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from remat.apply import apply, remove
+from remat.cli.common import add_model_args, console, load_workload, read_file
+from remat.measure import check_gradients
+from remat.measure import measure as run_measure
+from remat.plan.types import Plan
+from remat.units import format_bytes, format_ms
+
+HELP = "apply a plan (plan.json) to the model and measure real training steps against the plain model"
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``remat measure``."""
+    add_model_args(p)
+    p.add_argument("--plan", type=Path, default=None, help="plan.json from `remat plan` (default: measure the plain model)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (median), default 5")
+    p.add_argument("--out", type=Path, default=Path("measure.json"), help="where to write the figures (default measure.json)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure the plain model and the planned one in the same run; print ratios; write the JSON."""
+    w = load_workload(args.model, args.sizes)
+    plain = run_measure(w.model, w.inputs, w.loss_fn, steps=args.steps)
+    if args.plan is None:
+        result = plain
+    else:
+        plan = Plan.from_json(read_file(args.plan))
+        apply(w.model, plan)
+        try:
+            result = run_measure(w.model, w.inputs, w.loss_fn, steps=args.steps)
+        finally:
+            remove(w.model)
+        check = check_gradients(w.model, plan, w.inputs, w.loss_fn)
+        predicted = f" (predicted {format_bytes(plan.predicted_peak_bytes)})" if plan.predicted_peak_bytes else ""
+        console.print(
+            f"{plan.strategy}: peak {format_bytes(result.peak_bytes)}{predicted} = {result.peak_bytes / plain.peak_bytes:.1%} "
+            f"of plain {format_bytes(plain.peak_bytes)}; step {format_ms(result.step_ms)} = "
+            f"{result.step_ms / plain.step_ms:.2f}x plain {format_ms(plain.step_ms)}; gradients "
+            f"{'bitwise equal' if check.equal and check.exact else 'equal' if check.equal else 'DIFFER: ' + ', '.join(check.mismatched[:3])}"
+        )
+        console.print(f"forward runs per block: {result.forward_counts}")
+    if args.plan is None:
+        console.print(f"plain: peak {format_bytes(plain.peak_bytes)} above {format_bytes(plain.held_bytes)} held; step {format_ms(plain.step_ms)}")
+    args.out.write_text(result.to_json())
+    console.print(f"wrote {args.out}")
+    return 0
