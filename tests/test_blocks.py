@@ -24,6 +24,20 @@ def test_default_blocks_are_the_longest_run_of_repeated_children() -> None:
     assert names(remat.blocks(seq)) == ["0", "1", "2"]
 
 
+def test_default_prefers_runs_that_cover_the_model() -> None:
+    # ResNet-50's stages have 3/4/6/3 bottlenecks: the 4 stages, not the 5 look-alike blocks of layer3.
+    assert names(remat.blocks(resnet(block="bottleneck", layers=(3, 4, 6, 3)))) == ["layer1", "layer2", "layer3", "layer4"]
+
+    class TwoTowers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2), 4, enable_nested_tensor=False)
+            self.decoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2), 4, enable_nested_tensor=False)
+
+    # 4 layers covering half the model beat 2 towers covering all of it.
+    assert names(remat.blocks(TwoTowers())) == [f"encoder.layers.{i}" for i in range(4)]
+
+
 def test_default_needs_something_to_choose() -> None:
     with pytest.raises(BlockSelectionError, match="no repeated children"):
         remat.blocks(nn.Linear(2, 2))
@@ -98,7 +112,8 @@ def test_type_hints() -> None:
         "blocks.0.ln2": LayerType.NORM,
         "blocks.0.mlp": LayerType.FFN,
     }
-    assert names(remat.blocks(unet())) == ["downs.0", "downs.1", "downs.2"]
+    # Two runs of 3 (encoder downs, decoder ups): the one covering more parameters wins.
+    assert names(remat.blocks(unet())) == ["ups.0", "ups.1", "ups.2"]
     assert names(remat.blocks(gpt(vocab_size=16, d_model=8, n_heads=2, n_layers=2, seq_len=4))) == ["blocks.0", "blocks.1"]
 
 

@@ -164,11 +164,21 @@ def _run_key(module: nn.Module) -> tuple[type, frozenset[type]]:
     return type(module), frozenset(type(c) for c in module.children())
 
 
+def _param_count(modules: Sequence[nn.Module]) -> int:
+    seen: dict[int, int] = {}
+    for m in modules:
+        for p in m.parameters():
+            seen[id(p)] = p.numel()
+    return sum(seen.values())
+
+
 def _default_groups(model: nn.Module) -> list[tuple[str, ...]]:
-    # The longest run of consecutive children sharing a class (transformer layers, ResNet stages,
-    # Sequential children). Runs of composite modules beat runs of leaves (two embeddings are not
-    # layers); then the longer run; then the shallower container; then the first found.
-    best: tuple[tuple[int, int, int], list[str]] = ((0, 0, 0), [])
+    # A run of consecutive children sharing a class (transformer layers, ResNet stages, Sequential
+    # children). Runs of composite modules beat runs of leaves (two embeddings are not layers); then the
+    # run with the most blocks weighted by the share of the model's parameters it covers (ResNet-50's
+    # four stages, not five bottlenecks inside one stage); then the longer run; then the shallower.
+    total = _param_count([model]) or 1
+    best: tuple[tuple[int, float, int, int], list[str]] = ((0, 0.0, 0, 0), [])
     for prefix, container in model.named_modules():
         depth = prefix.count(".") + 1 if prefix else 0
         children = list(container.named_children())
@@ -179,7 +189,8 @@ def _default_groups(model: nn.Module) -> list[tuple[str, ...]]:
                 j += 1
             run = [f"{prefix}.{n}" if prefix else n for n, _ in children[i : j + 1]]
             composite = int(any(True for _ in children[i][1].children()))
-            score = (composite, len(run), -depth) if len(run) >= 2 else (0, 0, 0)
+            coverage = _param_count([m for _, m in children[i : j + 1]]) / total
+            score = (composite, round(len(run) * coverage, 9), len(run), -depth) if len(run) >= 2 else (0, 0.0, 0, 0)
             if score > best[0]:
                 best = (score, run)
             i = j + 1

@@ -58,8 +58,8 @@ def parse_bytes(value: int | float | str) -> int:
                 f"size: cannot read {value!r}; write a number with an optional unit ({valid}), e.g. '1.5GiB'"
             )
         number = float(match.group(1)) * _UNITS[unit]
-    if number < 0 or number != number:
-        raise RematError(f"size: {value!r} is negative or not a number; a size must be >= 0 bytes")
+    if number < 0 or number != number or number == float("inf"):
+        raise RematError(f"size: {value!r} is negative, infinite or not a number; a size must be a finite number >= 0 bytes")
     return int(number)
 
 
@@ -75,12 +75,19 @@ class Budget:
     bytes: int | None = None
     fraction: float | None = None
 
+    def __post_init__(self) -> None:
+        if (self.bytes is None) == (self.fraction is None):
+            raise RematError(f"budget: give exactly one of bytes or fraction, got bytes={self.bytes!r}, fraction={self.fraction!r}")
+        if self.fraction is not None and not 0 < self.fraction <= 1:
+            raise RematError(f"budget: fraction={self.fraction!r} is outside (0, 1]; give e.g. 0.4 for 40%")
+        if self.bytes is not None and self.bytes < 0:
+            raise RematError(f"budget: bytes={self.bytes!r} is negative; give bytes >= 0")
+
     def resolve(self, unplanned_peak_bytes: int) -> int:
         """The budget in bytes, given the peak of a step with nothing checkpointed (bytes)."""
-        if self.bytes is not None:
-            return self.bytes
-        assert self.fraction is not None  # invariant of parse_budget, not user input
-        return int(self.fraction * unplanned_peak_bytes)
+        if self.fraction is not None:
+            return int(self.fraction * unplanned_peak_bytes)
+        return int(self.bytes or 0)
 
     def __str__(self) -> str:
         if self.bytes is not None:

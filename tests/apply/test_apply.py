@@ -200,7 +200,8 @@ def test_keyword_arguments_and_tuple_dict_outputs() -> None:
 
 def test_multi_block_segment_on_a_non_chain_model_is_refused() -> None:
     w = workload("unet", features=(4, 8), image_size=32, batch=2)
-    with pytest.raises(RematError, match=r"downs.1' was called with something other than the output of the module before it"):
+    # The decoder stages take (x, skip): the segment would hand the first stage's skip to the second.
+    with pytest.raises(RematError, match=r"the segment starting at 'ups.0' failed running its 2 modules one after another"):
         blocks = remat.blocks(w.model)
         remat.apply(w.model, Plan("two-block segment", blocks, (Recompute(0, 2, (Keep(0), Keep(1))),)))
         w.loss_fn(w.model(w.inputs)).backward()
@@ -208,7 +209,7 @@ def test_multi_block_segment_on_a_non_chain_model_is_refused() -> None:
     prof = remat.profile(w.model, w.inputs, w.loss_fn, repeats=1)
     assert not prof.is_chain
     # The solvers fall back to one block per segment on such a model, and that runs.
-    plan = remat.plan(prof, "90%")
+    plan = remat.plan(prof, "97%")
     assert all(op.stop - op.start == 1 for op in plan.ops if isinstance(op, Recompute))
     assert remat.check_gradients(w.model, plan, w.inputs, w.loss_fn).equal
 
@@ -302,3 +303,149 @@ def test_named_block_strategy_recomputes_the_inside(tiny: Workload) -> None:
 def test_tiny_fixture_is_seeded() -> None:
     a, b = tiny_net_workload(), tiny_net_workload()
     assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Models that are not plain chains: a multi-block segment must refuse them, never compute wrongly
+# ---------------------------------------------------------------------------------------------
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * scale
+
+
+class Stack(nn.Module):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(4))
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "reuse":  # the second module is called twice
+            return self.layers[3](self.layers[1](self.layers[1](self.layers[0](x))))
+        for i, layer in enumerate(self.layers):
+            if self.mode == "extra":
+                x = layer(x, float(i + 1))  # a different extra argument for every layer
+            else:
+                x = layer(x)
+            if self.mode == "inplace":
+                x.mul_(0.5)
+        return x
+
+
+@pytest.mark.parametrize(
+    ("mode", "match"),
+    [
+        ("extra", "was called with other arguments than the module before it"),
+        ("inplace", "received the previous module's output modified in place"),
+        ("reuse", "was called out of turn"),
+    ],
+)
+def test_segments_refuse_models_that_are_not_chains(mode: str, match: str) -> None:
+    torch.manual_seed(0)
+    model = Stack(mode)
+    x = torch.randn(256, 64, requires_grad=True)
+    blocks = remat.blocks(model)
+    remat.apply(model, Plan("one segment", blocks, (Recompute(0, 2, (Keep(0), Keep(1))), Keep(2), Keep(3))))
+    with pytest.raises(RematError, match=match):
+        model(x).sum().backward()
+    remat.remove(model)
+    if mode != "reuse":  # a module run twice is refused by the profile itself
+        prof = remat.profile(model, x, lambda y: y.sum(), repeats=1)
+        assert not prof.is_chain  # so the solvers never build such a segment
+        plan = remat.plan(prof, "90%")
+        assert all(op.stop - op.start == 1 for op in plan.ops if isinstance(op, Recompute))
+        assert remat.check_gradients(model, plan, x, lambda y: y.sum()).equal
+
+
+def test_hooks_run_once_per_call() -> None:
+    torch.manual_seed(0)
+    model = Stack("plain")
+    x = torch.randn(3, 64)
+    seen: list[int] = []
+
+    def double(_m: nn.Module, _a: Any, out: torch.Tensor) -> torch.Tensor:
+        seen.append(1)
+        return out * 2
+
+    model.layers[1].register_forward_hook(double)
+    plain = model(x)
+    assert len(seen) == 1
+    for strategy in (remat.full(), remat.segments(2)):
+        seen.clear()
+        remat.apply(model, strategy)
+        out = model(x)
+        out.sum().backward()
+        remat.remove(model)
+        assert torch.equal(out, plain) and len(seen) == 1, strategy.label
+
+
+def test_spectral_norm_power_iteration_runs_once() -> None:
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(*[nn.utils.spectral_norm(nn.Linear(6, 6)) for _ in range(4)])  # noqa: E731
+    plain, ckpt = make(), make()
+    ckpt.load_state_dict(plain.state_dict())
+    x = torch.randn(5, 6)
+    plain(x).sum().backward()
+    remat.apply(ckpt, remat.every_nth(2))
+    ckpt(x).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), ckpt.state_dict().values()))
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), ckpt.parameters()))  # type: ignore[arg-type]
+
+
+def test_save_and_load_an_applied_model(tmp_path: Any, tiny: Workload) -> None:
+    tiny.model.eval()
+    remat.apply(tiny.model, remat.segments(2))
+    tiny.loss_fn(tiny.model(tiny.inputs)).backward()  # after a step, too
+    torch.save(tiny.model, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    plan = remat.applied(loaded)
+    assert plan is not None and plan.strategy == "segments(k=2)"
+    assert torch.equal(loaded(tiny.inputs), tiny.model(tiny.inputs))
+    remat.remove(loaded)
+    assert all("forward" not in m.__dict__ for m in loaded.modules())
+
+
+def test_function_checkpoint_keeps_batchnorm_statistics() -> None:
+    torch.manual_seed(0)
+    bn, lin = nn.BatchNorm1d(4), nn.Linear(4, 4)
+    x = torch.randn(8, 4, requires_grad=True)
+    remat.checkpoint(lambda t: lin(bn(t)), x).sum().backward()
+    assert int(bn.num_batches_tracked) == 1
+    reference = nn.BatchNorm1d(4)
+    reference(x)
+    assert torch.equal(bn.running_mean, reference.running_mean) and torch.equal(bn.running_var, reference.running_var)
+
+
+def test_plans_on_a_child_and_its_parent(tiny: Workload) -> None:
+    plain = grads_after_step(tiny)
+    child = tiny.model.layers[2]  # type: ignore[index]
+    inner = remat.apply(child, remat.full(), blocks=remat.blocks(child, named=[["fc1"]]))
+    # A parent plan around the child's nests with it: gradients stay equal.
+    remat.apply(tiny.model, remat.full())
+    assert_bitwise_equal(plain, grads_after_step(tiny))
+    remat.remove(tiny.model)
+    assert remat.applied(child) is inner
+    # A parent plan over the very modules the child's plan holds is refused, and installs nothing.
+    with pytest.raises(RematError, match=r"module 'layers.2.fc1' is already part of another checkpointed segment"):
+        remat.apply(tiny.model, remat.full(), blocks=remat.blocks(tiny.model, include="layers.*.fc1"))
+    assert remat.applied(tiny.model) is None and remat.applied(child) is inner
+    assert [n for n, m in tiny.model.named_modules() if "_remat_role" in m.__dict__] == ["layers.2.fc1"]
+
+
+def test_reserved_checkpoint_keywords_come_from_torch() -> None:
+    import inspect
+
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    from remat.apply.runtime import _CHECKPOINT_KWARGS
+
+    own = {n for n, p in inspect.signature(torch_checkpoint).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    assert own <= _CHECKPOINT_KWARGS and "preserve_rng_state" in _CHECKPOINT_KWARGS
+    with pytest.raises(RematError, match="early_stop"):
+        remat.checkpoint(lambda x, early_stop: x * 2, torch.ones(2, requires_grad=True), early_stop=True)

@@ -11,3 +11,13 @@ def make(width: int = 8) -> tuple[nn.Module, torch.Tensor, object]:
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(4)])
     x = torch.randn(4, width)
     return model, x, lambda out: out.square().mean()
+
+
+def broken() -> None:
+    raise ValueError("boom")
+
+
+def mismatched() -> tuple[nn.Module, torch.Tensor, object]:
+    """Inputs that do not fit the model: the model itself raises when called."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    return model, torch.randn(2, 5), lambda out: out.sum()

@@ -66,6 +66,12 @@ def test_user_factory(tmp_path: Path) -> None:
         (["bench", "mlp", "--set", "depth"], "error: --set: cannot read 'depth'"),
         (["measure", "mlp", "--plan", "/no/such/plan.json"], "error: cannot read '/no/such/plan.json'"),
         (["measure", "mlp", "--plan", "/dev/null"], "error: plan json: not valid JSON"),
+        (["bench", "tests.cli.factory:broken"], "error: model: tests.cli.factory:broken() raised ValueError: boom"),
+        (["bench", "tests.cli.factory:mismatched"], "error: RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
+        (["profile", *MLP, "--out", "/no/such/dir/p.json"], "error: cannot write '/no/such/dir/p.json'"),
+        (["bench", *MLP, "--rounds", "0"], "error: bench: rounds=0 must be an integer >= 1"),
+        (["bench", *MLP, "--strategy", "named([['zz']])"], "error: strategy named: [['zz']] are not blocks here"),
+        (["plan", *MLP, "--budget", "1e400"], "error: size: '1e400' is negative, infinite or not a number"),
     ],
 )
 def test_user_mistakes_print_one_error_line_and_exit_1(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from remat.apply.runtime import Keep, _Span, install, installed_modules, run_checkpointed, uninstall
+from remat.apply.runtime import Keep, _Span, install, run_checkpointed, uninstall
 from remat.blocks import Block, fingerprint, resolve
 from remat.blocks import blocks as find_blocks
 from remat.errors import BlockSelectionError, PlanMismatchError, RematError
@@ -21,7 +20,9 @@ if TYPE_CHECKING:
 
 __all__ = ["apply", "remove", "applied", "checkpoint", "CheckpointedSequential", "to_plan"]
 
-_APPLIED: weakref.WeakKeyDictionary[nn.Module, tuple[Plan, list[nn.Module]]] = weakref.WeakKeyDictionary()
+# The plan applied to a model, and the modules it touched, live on the model itself (a plain attribute,
+# not in the state_dict), so they travel with copy.deepcopy and pickling.
+_APPLIED_ATTR = "_remat_applied"
 
 
 def to_plan(
@@ -103,7 +104,7 @@ def apply(
             )
     remove(model)
     touched = install(model, plan.ops, members, [b.fqns for b in plan.blocks])
-    _APPLIED[model] = (plan, touched)
+    model.__dict__[_APPLIED_ATTR] = (plan, touched)
     return plan
 
 
@@ -113,10 +114,8 @@ def remove(model: nn.Module) -> Plan | None:
     Returns:
         The plan that was removed, or ``None`` if none was applied.
     """
-    entry = _APPLIED.pop(model, None)
+    entry = model.__dict__.pop(_APPLIED_ATTR, None)
     if entry is None:
-        stray = installed_modules(model)
-        uninstall(stray)
         return None
     uninstall(entry[1])
     return entry[0]
@@ -124,7 +123,7 @@ def remove(model: nn.Module) -> Plan | None:
 
 def applied(model: nn.Module) -> Plan | None:
     """The plan currently applied to ``model``, if any."""
-    entry = _APPLIED.get(model)
+    entry = model.__dict__.get(_APPLIED_ATTR)
     return entry[0] if entry else None
 
 
@@ -145,20 +144,15 @@ def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     Its activations are dropped after the forward and recomputed in the backward; BatchNorm running
     statistics are not updated twice. The function-level form of the toolkit seed's ``checkpoint(fn, x)``.
     """
-    span = _Span(ops=(Keep(0),), members={0: []}, multi=False)
-    if isinstance(fn, nn.Module):
-        span.members[0] = [fn]
-        span.batchnorms = [m for m in fn.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-        return run_checkpointed(span.ops, span, args, kwargs)
-    wrapper = _FnModule(fn)
-    span.members[0] = [wrapper]
+    # The wrapper calls fn itself (a module through __call__, so its hooks run, inside the checkpoint).
+    span = _Span((Keep(0),), {0: [_FnModule(fn)]}, 1)
     return run_checkpointed(span.ops, span, args, kwargs)
 
 
 class _FnModule(nn.Module):
     def __init__(self, fn: Callable[..., Any]) -> None:
         super().__init__()
-        self.fn = fn
+        self.fn = fn  # a module given here becomes a child: its BatchNorms are found in the recompute
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from remat.cli.common import add_model_args, console, load_workload
+from remat.cli.common import add_model_args, console, load_workload, write_file
 from remat.errors import BudgetInfeasibleError
 from remat.measure.compare import compare
 from remat.plan import plan as make_plan
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     for line in budget_verdicts(result):
         console.print(line)
     if args.json is not None:
-        args.json.write_text(result.to_json())
+        write_file(args.json, result.to_json())
         console.print(f"wrote {args.json}")
     if args.plots is not None:
         from remat.report import write_bench_plots

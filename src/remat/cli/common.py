@@ -59,6 +59,14 @@ def read_file(path: Path) -> str:
         raise RematError(f"cannot read {str(path)!r}: {e.strerror}; check the path") from None
 
 
+def write_file(path: Path, text: str) -> None:
+    """Write a file the user named, or raise a RematError saying why it cannot be written."""
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise RematError(f"cannot write {str(path)!r}: {e.strerror}; check that its folder exists") from None
+
+
 def load_workload(spec: str, size_items: list[str]) -> Workload:
     """A built-in workload by name, or the result of calling ``module:function``.
 
@@ -79,7 +87,10 @@ def load_workload(spec: str, size_items: list[str]) -> Workload:
         inspect.signature(fn).bind(**sizes)
     except TypeError as e:
         raise RematError(f"model: {spec} does not take {sorted(sizes)} ({e})") from None
-    result = fn(**sizes)
+    try:
+        result = fn(**sizes)
+    except Exception as e:  # the user's own factory failed: say so in one line
+        raise RematError(f"model: {spec}({', '.join(f'{k}={v!r}' for k, v in sizes.items())}) raised {type(e).__name__}: {e}") from e
     if isinstance(result, Workload):
         return result
     if isinstance(result, tuple) and len(result) == 3:

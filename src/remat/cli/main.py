@@ -32,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     except RematError as e:
         err_console.print(f"error: {e}", markup=False, soft_wrap=True)
         return 1
+    except Exception as e:  # the model itself failed (or remat did): one line, the traceback with -v
+        if args.verbose:
+            raise
+        err_console.print(f"error: {type(e).__name__}: {e} (run with -v for the traceback)", markup=False, soft_wrap=True)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from remat.apply import apply, remove
-from remat.cli.common import add_model_args, console, load_workload, read_file
+from remat.cli.common import add_model_args, console, load_workload, read_file, write_file
 from remat.measure import check_gradients
 from remat.measure import measure as run_measure
 from remat.plan.types import Plan
@@ -47,6 +47,6 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"forward runs per block: {result.forward_counts}")
     if args.plan is None:
         console.print(f"plain: peak {format_bytes(plain.peak_bytes)} above {format_bytes(plain.held_bytes)} held; step {format_ms(plain.step_ms)}")
-    args.out.write_text(result.to_json())
+    write_file(args.out, result.to_json())
     console.print(f"wrote {args.out}")
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from remat.cli.common import add_model_args, console, load_workload, read_file
+from remat.cli.common import add_model_args, console, load_workload, read_file, write_file
 from remat.plan import SOLVERS
 from remat.plan import plan as make_plan
 from remat.plan.strategies import full, none
@@ -36,6 +36,6 @@ def run(args: argparse.Namespace) -> int:
     chosen = make_plan(prof, args.budget, solver=args.solver)
     console.print(plan_tree(chosen))
     console.print(plans_table([make_plan(prof, strategy=none()), make_plan(prof, strategy=full()), chosen]))
-    args.out.write_text(chosen.to_json())
+    write_file(args.out, chosen.to_json())
     console.print(f"wrote {args.out}")
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from remat.cli.common import add_model_args, console, load_workload
+from remat.cli.common import add_model_args, console, load_workload, write_file
 from remat.profile import profile as run_profile
 from remat.report.tables import profile_table
 
@@ -25,6 +25,6 @@ def run(args: argparse.Namespace) -> int:
     with console.status(f"profiling {w.description}"):
         prof = run_profile(w.model, w.inputs, w.loss_fn, repeats=args.repeats)
     console.print(profile_table(prof))
-    args.out.write_text(prof.to_json())
+    write_file(args.out, prof.to_json())
     console.print(f"wrote {args.out}")
     return 0

@@ -72,11 +72,11 @@ class Measurement:
 
 
 def _count_blocks(model: nn.Module, blocks: Sequence[Block] | None) -> tuple[Block, ...]:
+    if blocks is not None:
+        return tuple(blocks)
     plan = applied(model)
     if plan is not None:
         return plan.blocks
-    if blocks is not None:
-        return tuple(blocks)
     try:
         return find_blocks(model)
     except BlockSelectionError:

@@ -18,6 +18,7 @@ from torch import nn
 from remat.apply import apply, remove
 from remat.apply.runtime import count_forwards
 from remat.blocks import resolve
+from remat.errors import RematError
 from remat.measure import _compare_grads, _grads
 from remat.measure.trace import (
     device_of,
@@ -124,6 +125,10 @@ def compare(
     Returns:
         The :class:`BenchResult`.
     """
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise RematError(f"bench: rounds={rounds!r} must be an integer >= 1 (interleaved timing rounds)")
+    if not plans:
+        raise RematError("bench: no plans to compare; give at least the baseline plan")
     dev = device_of(model, inputs)
     tick = progress or (lambda _label: None)
     def step() -> None:

@@ -8,12 +8,13 @@ block boundary; the markers become the forward/backward phases and one interval 
 With a plan applied, a checkpointed block's module is also *called* when it does not run: the first
 member of a span dispatches the whole span and later members pass the span's output through
 (NOTE [ Spans ] in ``remat.apply.runtime``). The probe reports those calls as F like any other, so
-each F is tagged when it fires: a call is a real run when the module carries no remat override, or
-when remat's runner is calling it directly (``_LOCAL.direct``, set just before the call). A run ends
-when its last member returns, or when any member raises: torch stops a recomputation early by raising
-once it has every tensor it needs, so the probe's f (an ordinary forward hook) never fires for it;
-remat's own ``always_call`` forward hooks see both. Calls nest properly per block, so a stack per
-block pairs each end with its F. A real run after the loss was computed is a recomputation; so is a
+each F is tagged when it fires: a call of a module with no remat override is a real run; a call of a
+module with one is not, and its real runs are reported by remat's runner, which calls the original
+forward directly (``remat.apply.runtime.observed``). A run ends when its last member returns, or when
+any member raises: torch stops a recomputation early by raising once it has every tensor it needs, so
+the probe's f (an ordinary forward hook) never fires for it; remat's own ``always_call`` forward hooks
+and the runner's reports see both. Calls nest properly per block, so a stack per block pairs each end
+with its F. A real run after the loss was computed is a recomputation; so is a
 sub-module's (``attention_only``/``ffn_only``) forward there.
 """
 
@@ -152,8 +153,8 @@ class Timeline:
 
 
 def _runs_for_real(module: nn.Module) -> bool:
-    # NOTE [ Real forward runs ]
-    return "_remat_role" not in module.__dict__ or _runtime._LOCAL.direct is module
+    # NOTE [ Real forward runs ]: a call of remat's dispatcher is not a run; the runner reports those.
+    return not _runtime.is_dispatcher(module)
 
 
 def timeline(
@@ -207,6 +208,24 @@ def timeline(
         events.append((kind, index, real))
         mark(f"e{len(events) - 1}")
 
+    first_of = {id(m): i for i, m in enumerate(firsts)}
+    last_of = {id(mods[-1]): i for i, mods in enumerate(members)}
+    sub_of = {id(m): j for j, m in enumerate(sub_modules)}
+
+    def runner_report(module: nn.Module, started: bool, _raised: bool) -> None:
+        # NOTE [ Real forward runs ]: the runner calls original forwards without hooks; it reports them.
+        key = id(module)
+        if started and key in first_of:
+            events.append(("F", first_of[key], True))
+            mark(f"e{len(events) - 1}")
+        elif started and key in sub_of:
+            events.append(("S", sub_of[key], True))
+            mark(f"e{len(events) - 1}")
+        elif not started and key in last_of:
+            note("E", last_of[key])
+        elif not started and key in sub_of:
+            note("X", sub_of[key])
+
     def ended(kind: str, index: int, last: bool) -> Callable[..., None]:
         def hook(_mod: nn.Module, _args: Any, result: Any) -> None:
             if last or result is None:  # None: the forward raised (an early-stopped recomputation)
@@ -235,7 +254,7 @@ def timeline(
         ]
         handles += [m.register_forward_hook(ended("X", j, True), always_call=True) for j, m in enumerate(sub_modules)]
         try:
-            with probe(model, block_list, note):
+            with probe(model, block_list, note), _runtime.observed(runner_report):
                 trace = record_memory(step, dev)
         finally:
             for h in handles:

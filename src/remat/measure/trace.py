@@ -69,6 +69,8 @@ def train_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Ten
     Raises:
         RematError: If ``loss_fn`` does not return a scalar tensor that requires grad.
     """
+    if not torch.is_grad_enabled():
+        raise RematError("step: gradients are disabled (torch.no_grad() or inference_mode); remat measures training steps, call it with grad enabled")
     out = call_model(model, inputs)
     loss = loss_fn(out)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
@@ -95,10 +97,11 @@ def preserved(model: nn.Module, inputs: Any = None) -> Iterator[None]:
     Parameters are not touched by a step (no optimizer runs); input tensors' ``.grad`` are restored too.
     """
     params = list(model.parameters())
-    grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+    # Gradients go back into the very tensors they were in (something may hold them, e.g. buckets).
+    grads = [(p.grad, None if p.grad is None else p.grad.detach().clone()) for p in params]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     in_tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
-    in_grads = [None if t.grad is None else t.grad.detach().clone() for t in in_tensors]
+    in_grads = [(t.grad, None if t.grad is None else t.grad.detach().clone()) for t in in_tensors]
     modes = [(m, m.training) for m in model.modules()]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
@@ -106,13 +109,17 @@ def preserved(model: nn.Module, inputs: Any = None) -> Iterator[None]:
         yield
     finally:
         with torch.no_grad():
-            for p, g in zip(params, grads):
-                p.grad = g
+            for p, (orig, copy) in zip(params, grads):
+                if orig is not None and copy is not None:
+                    orig.copy_(copy)
+                p.grad = orig
             for b, copy in buffers:
                 b.copy_(copy)
-            for t, g in zip(in_tensors, in_grads):
+            for t, (orig, copy) in zip(in_tensors, in_grads):
                 if t.is_leaf:
-                    t.grad = g
+                    if orig is not None and copy is not None:
+                        orig.copy_(copy)
+                    t.grad = orig
         for m, training in modes:
             m.training = training
         torch.set_rng_state(cpu_rng)

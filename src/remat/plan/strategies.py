@@ -458,8 +458,15 @@ class _Named(Strategy):
         object.__setattr__(self, "groups", tuple((g,) if isinstance(g, str) else tuple(g) for g in self.groups))
 
     def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
-        wanted = set(self.groups)
-        return tuple(i for i, b in enumerate(blocks) if b.fqns in wanted)
+        have = {b.fqns for b in blocks}
+        missing = [list(g) for g in self.groups if g not in have]
+        if missing:
+            raise RematError(
+                f"strategy named: {missing} are not blocks here (blocks are {[b.name for b in blocks][:4]}...); "
+                "apply it to the model (remat.apply(model, remat.named(...))) or profile with "
+                "blocks=remat.blocks(model, named=...)"
+            )
+        return tuple(i for i, b in enumerate(blocks) if b.fqns in set(self.groups))
 
     def _describe(self) -> str:
         return f"checkpoint the named blocks {[list(g) for g in self.groups]} (inputs and outputs kept, inside recomputed)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -13,7 +14,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from remat.apply.runtime import install, uninstall
+from remat.apply.runtime import _extra_args, install, same_args, uninstall
 from remat.blocks import Block, fingerprint, resolve
 from remat.blocks import blocks as find_blocks
 from remat.errors import BlockSelectionError, RematError
@@ -71,10 +72,14 @@ class _Probe:
         self.calls = [0] * n
         self.order: list[int] = []
         self.chain = True
-        self._last_out: int | None = None
+        # The previous block's output and other arguments, held (not ids) so nothing is mistaken for them.
+        self._last_out: weakref.ref[torch.Tensor] | None = None
+        self._last_version = -1
+        self._last_extra: tuple[Any, ...] | None = None
         self._active: list[int] = []
         self._fired: set[tuple[str, int]] = set()
         self.handles: list[Any] = []
+        self.tensor_handles: list[Any] = []  # hooks on the step's tensors (inputs may outlive the step)
 
     def _once(self, kind: str, i: int) -> Callable[[torch.Tensor], None]:
         def hook(_grad: torch.Tensor) -> None:
@@ -94,11 +99,21 @@ class _Probe:
                 self.calls[index] += 1
                 self.order.append(index)
                 first = args[0] if args else None
-                if index > 0 and not (isinstance(first, torch.Tensor) and id(first) == self._last_out):
+                # A chain (NOTE [ Spans ]): each block takes the previous block's output first and the
+                # very same other arguments; otherwise segments of several blocks would compute wrongly.
+                extra = _extra_args(args, kwargs)
+                if index > 0 and not (
+                    isinstance(first, torch.Tensor)
+                    and self._last_out is not None
+                    and first is self._last_out()
+                    and first._version == self._last_version
+                    and same_args(self._last_extra, extra)
+                ):
                     self.chain = False
+                self._last_extra = extra
                 for t in tree_leaves((args, kwargs)):
                     if isinstance(t, torch.Tensor) and t.requires_grad:
-                        t.register_hook(self._once("b", index))
+                        self.tensor_handles.append(t.register_hook(self._once("b", index)))
 
         return hook
 
@@ -109,10 +124,11 @@ class _Probe:
             if self._active and self._active[-1] == slot:
                 self._active.pop()
             if kind == "f":
-                self._last_out = id(out) if isinstance(out, torch.Tensor) else None
+                self._last_out = weakref.ref(out) if isinstance(out, torch.Tensor) else None
+                self._last_version = out._version if isinstance(out, torch.Tensor) else -1
                 for t in tree_leaves(out):
                     if isinstance(t, torch.Tensor) and t.requires_grad:
-                        t.register_hook(self._once("B", index))
+                        self.tensor_handles.append(t.register_hook(self._once("B", index)))
             self.callback(kind, index)
 
         return hook
@@ -143,9 +159,11 @@ class _Probe:
             with ctx:
                 yield self
         finally:
-            for h in self.handles:
+            self._last_out, self._last_extra = None, None
+            for h in (*self.handles, *self.tensor_handles):
                 h.remove()
             self.handles.clear()
+            self.tensor_handles.clear()
 
 
 @contextlib.contextmanager
