@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from remat.errors import RematError
 from remat.plan.chain import Keep, Op, Recompute, RecomputeSub
 
-__all__ = ["install", "uninstall", "installed_modules", "count_forwards", "run_checkpointed", "observed"]
+__all__ = ["install", "uninstall", "count_forwards", "run_checkpointed", "observed"]
 
 # Keywords torch.utils.checkpoint takes for itself: read from its signature, not typed by hand, plus
 # preserve_rng_state, which it pops from **kwargs (so the signature does not show it).
@@ -355,11 +355,6 @@ def uninstall(modules: Sequence[nn.Module]) -> None:
             module.__dict__["forward"] = role.previous_forward
         else:
             module.__dict__.pop("forward", None)
-
-
-def installed_modules(model: nn.Module) -> list[nn.Module]:
-    """Every module of ``model`` that currently carries a remat override."""
-    return [m for m in model.modules() if "_remat_role" in m.__dict__]
 
 
 def is_dispatcher(module: nn.Module) -> bool:

@@ -83,13 +83,6 @@ def train_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Ten
     return loss.detach()
 
 
-def _zero_grads(model: nn.Module) -> None:
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.detach_()
-            p.grad.zero_()
-
-
 @contextlib.contextmanager
 def preserved(model: nn.Module, inputs: Any = None) -> Iterator[None]:
     """Run steps inside, then put the model back exactly: gradients, buffers, RNG state, train/eval mode.
@@ -292,4 +285,7 @@ def median(values: list[float]) -> float:
 
 def zero_grads(model: nn.Module) -> None:
     """Zero existing parameter gradients in place (kept allocated; see NOTE [ What a step's peak means ])."""
-    _zero_grads(model)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.detach_()
+            p.grad.zero_()

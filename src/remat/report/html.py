@@ -24,7 +24,15 @@ from remat.plan.planner import Frontier
 from remat.plan.types import Plan
 from remat.profile.types import Profile
 from remat.report.plots import baseline_step_ms
-from remat.report.tables import PROFILE_HEADERS, budget_verdicts, mib, profile_rows
+from remat.report.tables import (
+    BENCH_HEADERS,
+    PROFILE_HEADERS,
+    bench_rows,
+    budget_verdicts,
+    mib,
+    profile_rows,
+    ratio_pct,
+)
 from remat.units import format_bytes, format_ms
 
 __all__ = ["write_report", "REPORT_HTML", "REPORT_MD"]
@@ -80,16 +88,6 @@ def _e(text: object) -> str:
     return html.escape(str(text), quote=True)
 
 
-def _pct(value: float) -> str:
-    return f"{value:+.1f}%"
-
-
-def _ratio_pct(measured: float, predicted: float | None) -> str:
-    if predicted is None or predicted == 0:
-        return "-"
-    return _pct(100.0 * (measured / predicted - 1))
-
-
 def _find_row(result: BenchResult, plan: Plan) -> BenchRow | None:
     """The bench row of ``plan``: same label, else same operations and budget."""
     for r in result.rows:
@@ -114,44 +112,6 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, numeric_fro
 def _kv_table(rows: Sequence[tuple[str, str]]) -> str:
     body = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
     return f'<table class="kv"><tbody>{body}</tbody></table>'
-
-
-_BENCH_HEADERS = (
-    "strategy",
-    "blocks ckpt",
-    "peak MiB",
-    "predicted MiB",
-    "peak vs predicted",
-    "budget MiB",
-    "step ms",
-    "predicted ms",
-    "memory saved",
-    "time overhead",
-    "grads equal",
-)
-
-
-def _bench_rows(result: BenchResult, base_ms: float) -> list[list[str]]:
-    rows = []
-    for r in result.rows:
-        predicted_ms = None if r.predicted_extra_ms is None else base_ms + r.predicted_extra_ms
-        fits = "" if r.budget_bytes is None else (" fits" if r.peak_bytes <= r.budget_bytes else " OVER")
-        rows.append(
-            [
-                r.label,
-                f"{r.checkpointed}/{r.n_blocks}",
-                mib(r.peak_bytes),
-                mib(r.predicted_peak_bytes),
-                _ratio_pct(r.peak_bytes, r.predicted_peak_bytes),
-                (mib(r.budget_bytes) + fits) if r.budget_bytes is not None else "-",
-                f"{r.step_ms:.1f}",
-                "-" if predicted_ms is None else f"{predicted_ms:.1f}",
-                f"{r.saved_pct:.1f}%",
-                f"{r.overhead_pct:+.1f}%",
-                "yes" if r.grads_equal else "NO",
-            ]
-        )
-    return rows
 
 
 def _plan_html(ops: Sequence[Op], plan: Plan) -> str:
@@ -307,7 +267,7 @@ def write_report(
         f"{_e(format_bytes(result.held_bytes))} held before the step; percentages against "
         f"<code>{_e(result.rows[0].label if result.rows else '-')}</code>. Predicted step time: the plain step plus "
         "the predicted recompute time.</p>",
-        _table(_BENCH_HEADERS, _bench_rows(result, base_ms), highlight=chosen_index),
+        _table(BENCH_HEADERS, bench_rows(result), highlight=chosen_index),
         "<h2>Timelines</h2>",
         _table(("plan", "timeline peak", "bench peak", "timeline vs bench", "step (under profiler)"), _timeline_rows(timelines, result)),
         "<h2>Profile</h2>",
@@ -338,21 +298,21 @@ def _versus_rows(plan: Plan, row: BenchRow | None, base_ms: float, timelines: Se
             "peak memory",
             "-" if plan.predicted_peak_bytes is None else format_bytes(plan.predicted_peak_bytes),
             peak,
-            "-" if row is None else _ratio_pct(row.peak_bytes, plan.predicted_peak_bytes),
+            "-" if row is None else ratio_pct(row.peak_bytes, plan.predicted_peak_bytes),
         ],
         [
             "step time",
             "-" if predicted_ms is None else format_ms(predicted_ms),
             step,
-            "-" if row is None or predicted_ms is None else _ratio_pct(row.step_ms, predicted_ms),
+            "-" if row is None or predicted_ms is None else ratio_pct(row.step_ms, predicted_ms),
         ],
     ]
     if plan.budget_bytes is not None and row is not None:
         verdict = "fits" if row.peak_bytes <= plan.budget_bytes else "over budget"
-        rows.append(["budget", format_bytes(plan.budget_bytes), verdict, _ratio_pct(row.peak_bytes, plan.budget_bytes)])
+        rows.append(["budget", format_bytes(plan.budget_bytes), verdict, ratio_pct(row.peak_bytes, plan.budget_bytes)])
     for tl in timelines:
         if tl.plan == plan.strategy:
-            rows.append(["timeline peak", "-", format_bytes(tl.peak_bytes), _ratio_pct(tl.peak_bytes, plan.predicted_peak_bytes)])
+            rows.append(["timeline peak", "-", format_bytes(tl.peak_bytes), ratio_pct(tl.peak_bytes, plan.predicted_peak_bytes)])
     return rows
 
 
@@ -366,7 +326,7 @@ def _timeline_rows(timelines: Sequence[Timeline], result: BenchResult) -> list[l
                 tl.plan,
                 format_bytes(tl.peak_bytes),
                 "-" if r is None else format_bytes(r.peak_bytes),
-                "-" if r is None else _ratio_pct(tl.peak_bytes, r.peak_bytes),
+                "-" if r is None else ratio_pct(tl.peak_bytes, r.peak_bytes),
                 format_ms(tl.duration_ms),
             ]
         )
@@ -409,9 +369,9 @@ def _markdown(
             f"gradients equal: {'yes' if row.grads_equal else 'NO'}"
         )
     lines += ["", f"## Plan: `{plan.describe()}`", "", *_plan_md(plan.ops, plan), "", "## Bench", ""]
-    lines.append("| " + " | ".join(_BENCH_HEADERS) + " |")
-    lines.append("|" + "---|" * len(_BENCH_HEADERS))
-    for cells in _bench_rows(result, base_ms):
+    lines.append("| " + " | ".join(BENCH_HEADERS) + " |")
+    lines.append("|" + "---|" * len(BENCH_HEADERS))
+    for cells in bench_rows(result):
         lines.append("| " + " | ".join(_md_escape(c) for c in cells) + " |")
     if timelines:
         lines += ["", "## Timelines", "", "| plan | timeline peak | bench peak | timeline vs bench |", "|---|---|---|---|"]

@@ -13,7 +13,7 @@ from remat.plan.types import Plan
 from remat.profile.types import Profile
 from remat.units import format_bytes, format_ms
 
-__all__ = ["PROFILE_HEADERS", "profile_rows", "profile_table", "plan_tree", "plans_table", "bench_table", "budget_verdicts", "mib"]
+__all__ = ["PROFILE_HEADERS", "profile_rows", "BENCH_HEADERS", "bench_rows", "ratio_pct", "profile_table", "plan_tree", "plans_table", "bench_table", "budget_verdicts", "mib"]
 
 
 def mib(n: int | float | None) -> str:
@@ -100,39 +100,63 @@ def plans_table(plans: Sequence[Plan]) -> Table:
     return t
 
 
+BENCH_HEADERS = (
+    "strategy",
+    "blocks ckpt",
+    "peak MiB",
+    "predicted MiB",
+    "peak vs predicted",
+    "budget MiB",
+    "step ms",
+    "predicted ms",
+    "memory saved",
+    "time overhead",
+    "grads equal",
+)
+
+
+def ratio_pct(measured: float, predicted: float | None) -> str:
+    """How far ``measured`` is from ``predicted``, as ``'+1.2%'`` (``'-'`` without a prediction)."""
+    if predicted is None or predicted == 0:
+        return "-"
+    return f"{100.0 * (measured / predicted - 1):+.1f}%"
+
+
+def bench_rows(result: BenchResult, *, fits: tuple[str, str] = (" fits", " OVER"), equal: tuple[str, str] = ("yes", "NO")) -> list[list[str]]:
+    """The cells of the bench table (``BENCH_HEADERS``), for the terminal (rich markup) and HTML (plain).
+
+    The predicted step is the measured baseline (first row) plus the plan's predicted recomputation.
+    """
+    base_ms = result.rows[0].step_ms if result.rows else 0.0
+    rows = []
+    for r in result.rows:
+        predicted_ms = None if r.predicted_extra_ms is None else base_ms + r.predicted_extra_ms
+        budget = "-" if r.budget_bytes is None else mib(r.budget_bytes) + fits[r.peak_bytes > r.budget_bytes]
+        rows.append(
+            [
+                r.label,
+                f"{r.checkpointed}/{r.n_blocks}",
+                mib(r.peak_bytes),
+                mib(r.predicted_peak_bytes),
+                ratio_pct(r.peak_bytes, r.predicted_peak_bytes),
+                budget,
+                f"{r.step_ms:.1f}",
+                "-" if predicted_ms is None else f"{predicted_ms:.1f}",
+                f"{r.saved_pct:.1f}%",
+                f"{r.overhead_pct:+.1f}%",
+                equal[not r.grads_equal],
+            ]
+        )
+    return rows
+
+
 def bench_table(result: BenchResult) -> Table:
     """The bench: measured peak and time of every plan, with predictions and the gradient check."""
     t = Table(title=f"{result.model} on {result.device}, median of {result.rounds} interleaved rounds", title_justify="left")
-    for col in (
-        "strategy",
-        "blocks ckpt",
-        "peak MiB",
-        "predicted MiB",
-        "budget MiB",
-        "step ms",
-        "predicted ms",
-        "memory saved",
-        "time overhead",
-        "grads equal",
-    ):
+    for col in BENCH_HEADERS:
         t.add_column(col, justify="left" if col == "strategy" else "right")
-    base_ms = result.rows[0].step_ms if result.rows else 0.0
-    for r in result.rows:
-        # Predicted step: the measured baseline plus the plan's predicted recomputation.
-        predicted_ms = "-" if r.predicted_extra_ms is None else f"{base_ms + r.predicted_extra_ms:.1f}"
-        fits = "" if r.budget_bytes is None else (" [green]✓[/]" if r.peak_bytes <= r.budget_bytes else " [red]✗[/]")
-        t.add_row(
-            r.label,
-            f"{r.checkpointed}/{r.n_blocks}",
-            mib(r.peak_bytes),
-            mib(r.predicted_peak_bytes),
-            mib(r.budget_bytes) + fits if r.budget_bytes is not None else "-",
-            f"{r.step_ms:.1f}",
-            predicted_ms,
-            f"{r.saved_pct:.1f}%",
-            f"{r.overhead_pct:+.1f}%",
-            "[green]yes[/]" if r.grads_equal else "[red]NO[/]",
-        )
+    for row in bench_rows(result, fits=(" [green]✓[/]", " [red]✗[/]"), equal=("[green]yes[/]", "[red]NO[/]")):
+        t.add_row(*row)
     t.caption = f"peaks are above {format_bytes(result.held_bytes)} held before the step; percentages against '{result.rows[0].label}'"
     return t
 
