@@ -1,107 +1,572 @@
-"""Executing plan operations on a live model through ``torch.utils.checkpoint``.
+"""Executing plan operations on a live model: checkpointed segments that record and replay the model's calls.
 
 # NOTE [ Spans ]
-A ``Recompute(a, b, inner)`` covers blocks ``a..b-1``, i.e. one or more member modules that the
-user's own ``forward`` calls one after another. remat leaves the model's code alone and overrides the
-instance ``forward`` of each member (parameters, state_dict keys and module identity are untouched):
-the *first* member runs the whole span under one non-reentrant ``checkpoint`` and the *other* members
-pass its output through. Inside the span the runner calls each kept member's original ``forward``
-directly, and each inner ``Recompute`` through a nested ``checkpoint``. Members after the first get the
-previous member's output as first argument and the span's other arguments unchanged (the
-``for layer in layers: x = layer(x, mask)`` pattern).
+A ``Recompute(a, b, inner)`` covers blocks ``a..b-1``: one or more member modules that the user's own
+``forward`` calls. remat leaves the model's code alone and overrides the instance ``forward`` of each
+member (parameters, ``state_dict`` keys and module identity are untouched). Every member still runs
+when, and as often as, the model calls it, through its own ``__call__`` (so its hooks, and FSDP2's
+parameter gathering, run as usual), on the arguments the model gives it, and returns its real output.
+What changes is what autograd keeps: while a member of a span runs, a saved-tensor hook of the span
+(one *recording*, ``_Frame``, per forward) stores a small holder instead of each tensor autograd wants
+to save, and records the call:
 
-That is only right if the model really calls the members as that chain, so every pass-through call is
-checked, and a model that does anything else gets a ``RematError`` instead of wrong values: its first
-argument must be the tensor the span produced (identity) and unmodified since (``_version``), its
-other arguments the very objects the span was called with, and the members must be called once each,
-in order. The per-forward state lives in a thread-local, so threads do not see each other's spans.
+  * its arguments, flattened with ``torch.utils._pytree``: a tensor that is an output of an earlier
+    call of the same recording (identity, and ``_version`` unchanged since) is recorded as a *link*
+    to that output; any other tensor is *external*: saved through a no-op autograd function, so it
+    goes through the saved-tensor hooks around it (an enclosing span drops and recomputes it:
+    NOTE [ Nestable Checkpoint ] rule 2 in ``torch.utils.checkpoint``) and through torch's
+    version-counter check (an in-place change before the backward raises); other values are kept
+    as they are, with a shallow snapshot of mutable objects that is checked at replay;
+  * the RNG state (CPU, and CUDA where the call has CUDA tensors) and autocast state at the call;
+  * the values, before the call, of the buffers the member updates in place (BatchNorm's running
+    statistics; see NOTE [ State under recomputation ]).
 
-Module hooks run once per call the model makes, outside the checkpoint (as when the user calls a
-module wrapped by ``checkpoint``): the runner calls original forwards directly, so a recomputation
-does not run them again. Hooks of members after the first see the pass-through call (input is the
-span's output, and so is the output).
+Code between two members (a residual add, a norm, a hook that edits an output, a context dict) runs
+normally, outside the recording: what it saves is saved as usual, and what it hands to the next member
+is an external argument, held by the span. So there is no chain restriction: any calling pattern
+(keyword arguments, tuple/dict outputs, values passed from block to block, hidden states collected,
+members skipped) replays exactly; a pattern only changes how much the span holds (the profile measures
+that, and the planner avoids segments across such boundaries: NOTE [ Chain cost model ]).
 
-# NOTE [ BatchNorm under recomputation ]
-A recomputed forward runs BatchNorm in training mode again, so torch would update the running
-statistics twice. Every recomputation (each call of a checkpointed function after the first) snapshots
-the running statistics of every BatchNorm that runs in it (the span's own, and through a global
-module pre-hook any other, e.g. inside ``remat.checkpoint(fn)``) and restores them afterwards, also
-when torch stops the recomputation early by raising.
+In the backward, the first unpack of a holder replays the recording: each recorded call, in order, with
+links resolved to the replayed outputs and external arguments unpacked, under the RNG, autocast and
+buffer state of that call, through the member's original ``forward`` (its hooks do not run again; an
+FSDP2 member is unsharded first). A replay hook fills the holders in the order they were packed,
+checks that every recomputed tensor has the shape, dtype and device the forward saved, and stops the
+replay as soon as every holder is filled (torch's early stop). A replay that saves fewer or more
+tensors, or different ones, raises a ``RematError`` naming the span: never a silent difference.
+Members of inner spans record again during the replay, with their own hooks innermost, exactly as in
+the forward, so a nested plan drops the inner activations during the outer recomputation (rules 1-3
+of torch's NOTE [ Nestable Checkpoint ]). Recorded tensors are detached (no reference cycle through
+the autograd graph).
+
+The frame and hook classes below follow torch's ``_CheckpointFrame`` / ``_checkpoint_hook`` /
+``_recomputation_hook`` (holders, one replay per graph task, early stop, metadata check). remat cannot
+use torch's ``checkpoint`` itself: its hooks are active over one contiguous region and its recompute
+function is fixed when the region starts, while a span's members are separate calls with the model's
+own code between them, and arguments that only exist once the earlier members have run.
+
+# NOTE [ State under recomputation ]
+A replay runs a member's forward again. Forwards that update a buffer in place (BatchNorm's running
+statistics, spectral norm's power iteration, a custom running mean) would see the updated value and
+update it a second time. The first call of a member after ``apply`` learns which of its buffers it
+updates (version counters, with every buffer and tensor argument snapshotted for that call only);
+each later call snapshots those buffers before it runs; a replay swaps the snapshot in and the
+current value back afterwards (also when the replay stops early). So state ends exactly as in the
+plain model and the replay computes with the values the forward saw. This is scoped to the member's
+own modules and to the thread doing the replay: no global hooks. Buffers other than BatchNorm's make
+a member *stateful*: ``apply`` refuses to recompute it unless ``allow_stateful=True`` (the state a
+forward keeps in Python attributes is invisible to remat). A member that edits one of its tensor
+arguments in place is refused (its replay would edit it again). On the learning call a refusal puts
+back every buffer, argument and the RNG state first.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
+from torch.nn.modules.batchnorm import _NormBase
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from remat.errors import RematError
 from remat.plan.chain import Keep, Op, Recompute, RecomputeSub
 
-__all__ = ["install", "uninstall", "count_forwards", "run_checkpointed", "observed"]
-
-# Keywords torch.utils.checkpoint takes for itself: read from its signature, not typed by hand, plus
-# preserve_rng_state, which it pops from **kwargs (so the signature does not show it).
-_CHECKPOINT_KWARGS = frozenset(
-    name for name, p in inspect.signature(torch_checkpoint).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
-) | {"preserve_rng_state"}
+__all__ = ["install", "uninstall", "count_forwards", "observed", "run_function", "is_applied_module"]
 
 Observer = Callable[[nn.Module, bool, bool], None]
+
+_fresh_gids = itertools.count(-2, -1)
 
 
 class _Local(threading.local):
     counts: dict[int, int] | None = None
     observer: Observer | None = None
+    scope: dict[int, tuple[weakref.ref[_Frame], int]] | None = None
+    last_rng: torch.Tensor | None = None
 
 
 _LOCAL = _Local()
 
 
-class _Progress(threading.local):
-    """Per-thread state of one span during a forward: what it produced and which member comes next."""
+class _Stop(Exception):
+    """Raised by the replay hook once every holder of a recording is filled (torch's early stop)."""
 
-    output: Any = None  # weakref to the span's output tensor
-    version: int = -1
-    extra: tuple[Any, ...] | None = None  # the span's other arguments, held until its last member (ids stay valid)
-    next_pos: int | None = None
+
+class _Handle:
+    pass
+
+
+class _Holder:
+    """What autograd stores instead of a saved tensor: one handle per graph task that replayed it."""
+
+    def __init__(self) -> None:
+        self.handles: dict[int, _Handle | None] = {}
 
 
 class _Span:
-    """One checkpointed region: its operations and the member modules of each block it covers."""
+    """One recomputed region of a plan: its name (first member's FQN) and its number of member calls."""
 
-    def __init__(self, ops: tuple[Op, ...], members: dict[int, list[nn.Module]], size: int) -> None:
-        self.ops = ops
-        self.members = members
-        self.size = size  # member modules in the span
-        self.progress = _Progress()
-
-    def __getstate__(self) -> dict[str, Any]:
-        # The per-forward state is neither picklable nor worth keeping.
-        return {k: v for k, v in self.__dict__.items() if k != "progress"}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.progress = _Progress()
-
-    def batchnorms(self) -> list[nn.Module]:
-        return [m for mods in self.members.values() for top in mods for m in top.modules() if isinstance(m, _BatchNorm)]
+    def __init__(self, name: str, size: int) -> None:
+        self.name = name
+        self.size = size
 
 
 @dataclass(eq=False)
 class _Role:
-    span: _Span
-    position: int  # 0: runs the span; > 0: passes the span's output through
+    """How remat runs one module: the spans it belongs to (outermost first) and its position in each."""
+
+    spans: tuple[tuple[_Span, int], ...]
     previous_forward: Any  # an instance ``forward`` the module had before remat, or None
     name: str
+    allow_stateful: bool = False
+    learned: bool = False
+    stateful: frozenset[str] = frozenset()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["learned"], state["stateful"] = False, frozenset()  # learned again after loading
+        return state
+
+
+def _original(module: nn.Module, role: _Role | None) -> Callable[..., Any]:
+    if role is None:
+        return module.forward
+    return role.previous_forward if role.previous_forward is not None else type(module).forward.__get__(module)
+
+
+def _gid() -> int:
+    gid = int(torch._C._current_graph_task_id())
+    return gid if gid != -1 else next(_fresh_gids)
+
+
+def _meta(t: torch.Tensor) -> tuple[Any, ...]:
+    return (tuple(t.shape), t.dtype, t.device)
+
+
+class _SaveInputs(torch.autograd.Function):
+    """Saves a call's external tensors as autograd saved tensors (hooks and version check apply)."""
+
+    @staticmethod
+    def forward(ctx: Any, dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(*tensors)
+        return torch.empty((0,), device=dummy.device)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # pragma: no cover - its output feeds nothing
+        raise RuntimeError("remat: internal error, the saved-inputs node was run backward")
+
+
+_PRIMITIVES = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+# Argument slots of a recorded call.
+_LINK, _EXT, _OBJ = 0, 1, 2
+
+
+def _snapshot(obj: Any) -> dict[str, Any] | None:
+    if isinstance(obj, _PRIMITIVES) or isinstance(obj, (nn.Module, type)) or callable(obj):
+        return None
+    try:
+        return dict(vars(obj))
+    except TypeError:
+        return None
+
+
+@dataclass(eq=False)
+class _RngState:
+    cpu: torch.Tensor
+    cuda: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def _rng_state(leaves: Sequence[Any]) -> _RngState:
+    cpu = torch.get_rng_state()
+    last = _LOCAL.last_rng
+    if last is not None and torch.equal(last, cpu):
+        cpu = last  # no draws since the previous call: share one copy
+    _LOCAL.last_rng = cpu
+    cuda: dict[int, torch.Tensor] = {}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda":
+                index = leaf.device.index if leaf.device.index is not None else torch.cuda.current_device()
+                if index not in cuda:
+                    cuda[index] = torch.cuda.get_rng_state(index)
+    return _RngState(cpu, cuda)
+
+
+def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
+    out = []
+    for dev in ("cpu", "cuda"):
+        if dev == "cuda" and not torch.cuda.is_available():
+            continue
+        out.append((dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)))
+    return tuple(out)
+
+
+@dataclass(eq=False)
+class _Call:
+    """One recorded call of a member: enough to run it again with the same inputs and state."""
+
+    module: nn.Module
+    role: _Role
+    spec: Any
+    slots: list[tuple[Any, ...]]
+    saver: torch.Tensor | None
+    rng: _RngState
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]
+    state: dict[str, torch.Tensor]
+    inner: tuple[tuple[_Span, int], ...]
+
+
+class _Frame:
+    """One recording of a span in one forward (see NOTE [ Spans ])."""
+
+    def __init__(self, span: _Span) -> None:
+        self.span = span
+        self.calls: list[_Call] = []
+        self.holders: list[weakref.ref[_Holder]] = []
+        self.meta: list[tuple[Any, ...]] = []
+        self.owner: list[int] = []
+        self.outs: dict[int, tuple[int, int, weakref.ref[torch.Tensor], int]] = {}
+        self.recomputed: dict[int, weakref.WeakKeyDictionary[_Handle, torch.Tensor]] = {}
+        self.counter: dict[int, int] = {}
+        self.done: set[int] = set()
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def record(
+        self,
+        module: nn.Module,
+        role: _Role,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        rng: _RngState,
+        state: dict[str, torch.Tensor],
+        inner: tuple[tuple[_Span, int], ...],
+    ) -> int:
+        leaves, spec = tree_flatten((args, kwargs))
+        slots: list[tuple[Any, ...]] = []
+        external: list[torch.Tensor] = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                hit = self.outs.get(id(leaf))
+                if hit is not None and hit[2]() is leaf and leaf._version == hit[3]:
+                    slots.append((_LINK, hit[0], hit[1]))
+                else:
+                    slots.append((_EXT, len(external), leaf.requires_grad))
+                    external.append(leaf.detach())
+            else:
+                slots.append((_OBJ, leaf, _snapshot(leaf)))
+        saver = None
+        if external:
+            dummy = torch.empty((0,), requires_grad=True)
+            saver = _SaveInputs.apply(dummy, *external)
+        self.calls.append(_Call(module, role, spec, slots, saver, rng, _autocast_state(), state, inner))
+        return len(self.calls) - 1
+
+    def record_output(self, index: int, out: Any) -> None:
+        for j, leaf in enumerate(tree_leaves(out)):
+            if isinstance(leaf, torch.Tensor):
+                self.outs[id(leaf)] = (index, j, weakref.ref(leaf), leaf._version)
+
+    @contextlib.contextmanager
+    def packing(self, index: int) -> Iterator[None]:
+        def pack(t: torch.Tensor) -> _Holder:
+            holder = _Holder()
+            self.holders.append(weakref.ref(holder))
+            self.meta.append(_meta(t))
+            self.owner.append(index)
+            return holder
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, self.unpack):
+            yield
+
+    # -- backward -----------------------------------------------------------------------------
+
+    def unpack(self, holder: _Holder) -> torch.Tensor:
+        gid = _gid()
+        if gid not in self.done:
+            self.replay(gid)
+        handle = holder.handles.get(gid)
+        if handle is None or handle not in self.recomputed[gid]:
+            raise RematError(
+                f"apply: a tensor saved in the checkpointed segment starting at {self.span.name!r} was unpacked twice in "
+                "one backward (ctx.saved_tensors read twice?); read saved tensors once per backward"
+            )
+        holder.handles[gid] = None
+        return self.recomputed[gid].pop(handle)
+
+    def _who(self, index: int) -> str:
+        call = self.calls[self.owner[index]] if index < len(self.owner) else None
+        return call.role.name if call is not None else self.span.name
+
+    def replay(self, gid: int) -> None:
+        self.counter[gid] = 0
+        self.recomputed[gid] = weakref.WeakKeyDictionary()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            idx = self.counter[gid]
+            self.counter[gid] = idx + 1
+            if idx >= len(self.holders):
+                raise RematError(
+                    f"apply: recomputing the segment starting at {self.span.name!r} saved more tensors than its forward; "
+                    "the model's forward is not a function of its inputs and state (Python state changed?); "
+                    "keep these blocks (a plan that does not recompute them)"
+                )
+            if _meta(t) != self.meta[idx]:
+                raise RematError(
+                    f"apply: recomputing module {self._who(idx)!r} (segment starting at {self.span.name!r}) saved a "
+                    f"tensor of shape/dtype/device {_meta(t)} where its forward saved {self.meta[idx]}; the module's "
+                    "forward depends on something that changed since it ran (Python state, an argument edited in "
+                    "place, a cache); keep it (a plan that does not recompute it)"
+                )
+            holder = self.holders[idx]()
+            if holder is not None:
+                handle = _Handle()
+                holder.handles[gid] = handle
+                self.recomputed[gid][handle] = t.detach() if t.requires_grad else t
+            if self.counter[gid] == len(self.holders):
+                raise _Stop
+            return t
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+                self._run_calls()
+        except _Stop:
+            pass
+        self.done.add(gid)
+        if self.counter[gid] != len(self.holders):
+            raise RematError(
+                f"apply: recomputing the segment starting at {self.span.name!r} saved {self.counter[gid]} tensors where "
+                f"its forward saved {len(self.holders)}; the model's forward took another path when run again "
+                "(Python state changed?); keep these blocks (a plan that does not recompute them)"
+            )
+
+    def _run_calls(self) -> None:
+        outs: dict[int, list[Any]] = {}
+        previous_scope = _LOCAL.scope
+        _LOCAL.scope = {}  # inner spans record afresh, as in the forward
+        cuda_devices = sorted({d for call in self.calls for d in call.rng.cuda})
+        try:
+            with torch.random.fork_rng(devices=cuda_devices, device_type="cuda" if cuda_devices else "cpu"):
+                for index, call in enumerate(self.calls):
+                    args, kwargs = self._arguments(call, outs)
+                    torch.set_rng_state(call.rng.cpu)
+                    for dev, st in call.rng.cuda.items():
+                        torch.cuda.set_rng_state(st, dev)
+                    out = _replay_call(call, args, kwargs)
+                    outs[index] = tree_leaves(out)
+        finally:
+            _LOCAL.scope = previous_scope
+
+    def _arguments(self, call: _Call, outs: dict[int, list[Any]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        external = call.saver.grad_fn.saved_tensors if call.saver is not None and call.saver.grad_fn is not None else ()
+        leaves: list[Any] = []
+        for slot in call.slots:
+            if slot[0] == _LINK:
+                leaves.append(outs[slot[1]][slot[2]])
+            elif slot[0] == _EXT:
+                t = external[slot[1]].detach()
+                leaves.append(t.requires_grad_(True) if slot[2] else t)
+            else:
+                value, snap = slot[1], slot[2]
+                if snap is not None and not _same_snapshot(snap, value):
+                    raise RematError(
+                        f"apply: an argument of module {call.role.name!r} ({type(value).__name__}) was changed after the "
+                        "call and before the backward, so its recomputation would differ; pass a fresh object per "
+                        "call, or keep this block (a plan that does not recompute it)"
+                    )
+                leaves.append(value)
+        args, kwargs = tree_unflatten(leaves, call.spec)
+        return tuple(args), dict(kwargs)
+
+
+def _same_snapshot(snap: dict[str, Any], value: Any) -> bool:
+    try:
+        now = vars(value)
+    except TypeError:
+        return True
+    return now.keys() == snap.keys() and all(now[k] is v for k, v in snap.items())
+
+
+def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    module, role = call.module, call.role
+    if hasattr(module, "unshard") and any(c.__name__ == "FSDPModule" for c in type(module).__mro__):
+        module.unshard()  # FSDP2: its parameters were resharded after the forward
+    buffers = dict(module.named_buffers())
+    current = {name: buffers[name].detach().clone() for name in call.state if name in buffers}
+    try:
+        with torch.no_grad():
+            for name, value in call.state.items():
+                if name in buffers:
+                    buffers[name].copy_(value)
+        with contextlib.ExitStack() as stack:
+            for dev, enabled, dtype in call.autocast:
+                stack.enter_context(torch.autocast(dev, enabled=enabled, dtype=dtype))
+            return _invoke(module, role, call.inner, args, kwargs, replay=True)
+    finally:
+        with torch.no_grad():
+            for name, value in current.items():
+                buffers[name].copy_(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Calling a member
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_batchnorm_buffer(module: nn.Module, name: str) -> bool:
+    owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+    return isinstance(owner, _NormBase)
+
+
+def _norm_buffers(module: nn.Module) -> frozenset[str]:
+    # Running statistics of BatchNorm (and InstanceNorm with running stats): always snapshotted, since
+    # the native kernels update running_mean/var in place without bumping their version counter.
+    out = []
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, _NormBase) and sub.track_running_stats:
+            out += [f"{prefix}.{n}" if prefix else n for n in ("running_mean", "running_var", "num_batches_tracked")]
+    return frozenset(out)
+
+
+class _StateGuard:
+    """NOTE [ State under recomputation ] for one call of a member."""
+
+    def __init__(self, module: nn.Module, role: _Role, leaves: Sequence[Any]) -> None:
+        self.module, self.role = module, role
+        self.buffers = dict(module.named_buffers())
+        self.versions = {n: b._version for n, b in self.buffers.items()}
+        self.args = [t for t in leaves if isinstance(t, torch.Tensor)]
+        self.arg_versions = [t._version for t in self.args]
+        if role.learned:
+            keep = {n: self.buffers[n] for n in role.stateful if n in self.buffers}
+        else:
+            keep = self.buffers
+        with torch.no_grad():
+            self.before = {n: b.detach().clone() for n, b in keep.items()}
+            self.arg_copies = [t.detach().clone() for t in self.args] if not role.learned else []
+
+    def check(self, rng: _RngState) -> dict[str, torch.Tensor]:
+        """Validate what the call changed; return the pre-call values of the buffers it updates."""
+        norms = _norm_buffers(self.module)
+        if self.role.learned:
+            changed = [n for n, b in self.buffers.items() if b._version != self.versions[n] or n in norms]
+        else:  # the learning call compares values too (not every kernel bumps the version counter)
+            changed = [
+                n
+                for n, b in self.buffers.items()
+                if b._version != self.versions[n] or n in norms or not torch.equal(b, self.before[n])
+            ]
+        edited = [i for i, t in enumerate(self.args) if t._version != self.arg_versions[i]]
+        role = self.role
+        if not role.learned:
+            stateful = [n for n in changed if not _is_batchnorm_buffer(self.module, n)]
+            if edited or (stateful and not role.allow_stateful):
+                self._restore(rng)
+                if edited:
+                    raise RematError(
+                        f"apply: module {role.name!r} edits its tensor argument #{edited[0]} in place, so recomputing it "
+                        "would edit it again; keep this block (a plan that does not recompute it)"
+                    )
+                raise RematError(
+                    f"apply: module {role.name!r} updates buffer(s) {stateful[:4]} in its forward (a stateful forward), "
+                    "so recomputing it is not exact in general; keep it (plan from remat.profile, which keeps such "
+                    "blocks) or pass allow_stateful=True to remat.apply to recompute it with the buffers' values "
+                    "restored around each recomputation"
+                )
+            role.stateful = frozenset(changed)
+            role.learned = True
+            return {n: self.before[n] for n in changed}
+        unexpected = [n for n in changed if n not in role.stateful]
+        if edited or unexpected:
+            what = f"edits its tensor argument #{edited[0]} in place" if edited else f"updated buffer(s) {unexpected[:4]}"
+            raise RematError(
+                f"apply: module {role.name!r} {what} in this forward although its first checkpointed call did not; "
+                "its recomputation would not be exact; keep it (a plan that does not recompute it) or remat.apply "
+                "again after the change"
+            )
+        return {n: self.before[n] for n in role.stateful if n in self.before}
+
+    def _restore(self, rng: _RngState) -> None:
+        with torch.no_grad():
+            for n, value in self.before.items():
+                self.buffers[n].copy_(value)
+            for t, value in zip(self.args, self.arg_copies):
+                t.copy_(value)
+        torch.set_rng_state(rng.cpu)
+        for dev, st in rng.cuda.items():
+            torch.cuda.set_rng_state(st, dev)
+
+
+def _run(module: nn.Module, role: _Role | None, args: tuple[Any, ...], kwargs: dict[str, Any], replay: bool) -> Any:
+    # A real run of the module's own forward; a replayed one (no hooks ran) is counted and reported here.
+    observer = _LOCAL.observer if replay else None
+    if replay:
+        _count(module)
+    if observer is not None:
+        observer(module, True, False)
+    raised = True
+    try:
+        out = _original(module, role)(*args, **kwargs)
+        raised = False
+        return out
+    finally:
+        if observer is not None:
+            observer(module, False, raised)
+
+
+def _frame_for(span: _Span, position: int) -> _Frame:
+    scope = _LOCAL.scope
+    if scope is None:
+        scope = _LOCAL.scope = {}
+    entry = scope.get(id(span))
+    frame = entry[0]() if entry is not None else None
+    if frame is None or entry is None or position <= entry[1]:
+        frame = _Frame(span)  # a new forward, or the model called a member again: a new recording
+    if position + 1 >= span.size:
+        scope.pop(id(span), None)  # the last member: the recording is complete
+    else:
+        scope[id(span)] = (weakref.ref(frame), position)
+    return frame
+
+
+def _invoke(
+    module: nn.Module,
+    role: _Role,
+    spans: tuple[tuple[_Span, int], ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    replay: bool,
+) -> Any:
+    if not spans or not torch.is_grad_enabled():
+        return _run(module, role, args, kwargs, replay)
+    leaves = tree_leaves((args, kwargs))
+    rng = _rng_state(leaves)
+    guard = _StateGuard(module, role, leaves)
+    with contextlib.ExitStack() as stack:
+        recorded: list[tuple[_Frame, int]] = []
+        frames = [(_frame_for(span, position), k) for k, (span, position) in enumerate(spans)]
+        calls: list[int] = []
+        for frame, k in frames:
+            # Recording the call saves its external tensors under the hooks of the spans around it.
+            calls.append(frame.record(module, role, args, kwargs, rng, {}, spans[k + 1 :]))
+            stack.enter_context(frame.packing(calls[-1]))
+            recorded.append((frame, calls[-1]))
+        out = _run(module, role, args, kwargs, replay)
+    state = guard.check(rng)
+    for frame, index in recorded:
+        frame.calls[index].state = state
+        frame.record_output(index, out)
+    return out
 
 
 class _Dispatch:
@@ -111,179 +576,19 @@ class _Dispatch:
         self.module = module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _span_forward(self.module, args, kwargs)
+        role: _Role = self.module.__dict__["_remat_role"]
+        return _invoke(self.module, role, role.spans, args, kwargs, replay=False)
 
 
-def _original(module: nn.Module) -> Callable[..., Any]:
-    role = module.__dict__.get("_remat_role")
-    if role is None:
-        return module.forward
-    return role.previous_forward if role.previous_forward is not None else type(module).forward.__get__(module)
-
-
-def _run_member(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    # A real run of the member's own forward: counted, and reported to an observer (remat.timeline).
-    _count(module, +1)
-    observer = _LOCAL.observer
-    if observer is not None:
-        observer(module, True, False)
-    raised = True
-    try:
-        out = _original(module)(*args, **kwargs)
-        raised = False
-        return out
-    finally:
-        if observer is not None:
-            observer(module, False, raised)
-
-
-@contextlib.contextmanager
-def _frozen_batchnorm(known: Sequence[nn.Module]) -> Iterator[None]:
-    # NOTE [ BatchNorm under recomputation ]
-    saved: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-
-    def snapshot(module: nn.Module, *_: Any) -> None:
-        if isinstance(module, _BatchNorm) and module.training and module.track_running_stats and id(module) not in saved:
-            buffers = [getattr(module, n) for n in ("running_mean", "running_var", "num_batches_tracked")]
-            saved[id(module)] = [(b, b.detach().clone()) for b in buffers if isinstance(b, torch.Tensor)]
-
-    for bn in known:
-        snapshot(bn)
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(snapshot)
-    try:
-        yield
-    finally:
-        handle.remove()
-        with torch.no_grad():
-            for pairs in saved.values():
-                for buf, copy in pairs:
-                    buf.copy_(copy)
-
-
-def _run_ops(ops: tuple[Op, ...], span: _Span, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    out: Any = None
-    first = True
-    for op in ops:
-        if not first:
-            args = (out, *args[1:])
-        first = False
-        if isinstance(op, (Keep, RecomputeSub)):
-            # A RecomputeSub's sub-modules carry their own checkpoint (installed by install()).
-            for i, module in enumerate(span.members[op.index]):
-                if i:
-                    args = (out, *args[1:])
-                out = _run_member(module, args, kwargs)
-        else:
-            out = run_checkpointed(op.inner, span, args, kwargs)
-    return out
-
-
-def run_checkpointed(ops: tuple[Op, ...], span: _Span, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run ``ops`` of ``span`` under one non-reentrant checkpoint (or plainly when grad is off)."""
-    if not torch.is_grad_enabled():
-        return _run_ops(ops, span, args, kwargs)
-    clash = _CHECKPOINT_KWARGS.intersection(kwargs)
-    if clash:
-        raise RematError(
-            f"apply: the block takes keyword argument(s) {sorted(clash)} that torch.utils.checkpoint reserves; "
-            "pass them positionally or rename them"
-        )
-    calls = 0
-
-    def fn(*a: Any, **kw: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            return _run_ops(ops, span, a, kw)
-        with _frozen_batchnorm(span.batchnorms()):
-            return _run_ops(ops, span, a, kw)
-
-    return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
-
-
-def _count(module: nn.Module, delta: int) -> None:
+def _count(module: nn.Module) -> None:
     counts = _LOCAL.counts
     if counts is not None and id(module) in counts:
-        counts[id(module)] += delta
+        counts[id(module)] += 1
 
 
-def _extra_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-    """A call's arguments after the first, to compare by identity with ``same_args``.
-
-    Tensors are held by weak reference (holding them would lengthen their life and change the memory
-    being measured); other objects are held, so that their ids cannot be reused meanwhile.
-    """
-    items = [("", a) for a in args[1:]] + sorted(kwargs.items(), key=lambda kv: kv[0])
-    return tuple((k, weakref.ref(v) if isinstance(v, torch.Tensor) else v) for k, v in items)
-
-
-def same_args(held: tuple[tuple[str, Any], ...] | None, now: tuple[tuple[str, Any], ...]) -> bool:
-    """Whether two ``_extra_args`` are the very same objects (identity, not equality)."""
-    if held is None or len(held) != len(now):
-        return False
-    for (k1, v1), (k2, v2) in zip(held, now):
-        if k1 != k2:
-            return False
-        if isinstance(v1, weakref.ref) and isinstance(v2, weakref.ref):
-            if v1() is None or v1() is not v2():
-                return False
-        elif v1 is not v2:
-            return False
-    return True
-
-
-def _not_a_chain(name: str, why: str) -> RematError:
-    return RematError(
-        f"apply: module {name!r} {why}, so this model does not call these blocks as a chain and they cannot "
-        "share one checkpointed segment; use a plan whose segments hold one block each (e.g. strategy 'full' "
-        "or solver 'knapsack')"
-    )
-
-
-def _span_forward(self: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    role: _Role = self.__dict__["_remat_role"]
-    _count(self, -1)  # this call dispatches or passes through; the real forward is counted when it runs
-    span, progress = role.span, role.span.progress
-    if role.position > 0:
-        expected = progress.output() if progress.output is not None else None
-        first = args[0] if args else None
-        if progress.next_pos != role.position:
-            raise _not_a_chain(role.name, "was called out of turn (twice, or before the module before it)")
-        if expected is None or first is not expected:
-            raise _not_a_chain(role.name, "was called with something other than the output of the module before it")
-        if first._version != progress.version:
-            raise _not_a_chain(role.name, "received the previous module's output modified in place")
-        if not same_args(progress.extra, _extra_args(args, kwargs)):
-            raise _not_a_chain(role.name, "was called with other arguments than the module before it")
-        progress.next_pos = role.position + 1 if role.position + 1 < span.size else None
-        if progress.next_pos is None:
-            progress.extra = None  # the last member: stop holding the arguments
-        return first
-    if span.size == 1:
-        return run_checkpointed(span.ops, span, args, kwargs)
-    try:
-        out = run_checkpointed(span.ops, span, args, kwargs)
-    except RematError:
-        raise
-    except Exception as e:
-        # The runner calls later members with this call's other arguments (NOTE [ Spans ]); a model
-        # that passes them something else can fail there before any pass-through check could run.
-        raise RematError(
-            f"apply: the segment starting at {role.name!r} failed running its {span.size} modules one after another "
-            f"({type(e).__name__}: {e}); if the model does not call them as a chain with the same other arguments, "
-            "use a plan whose segments hold one block each (e.g. strategy 'full' or solver 'knapsack')"
-        ) from e
-    if span.size > 1:
-        if not isinstance(out, torch.Tensor):
-            raise RematError(
-                f"apply: module {role.name!r} starts a segment of several modules but returns {type(out).__name__}; "
-                "multi-module segments need modules that take and return one tensor"
-            )
-        progress.output = weakref.ref(out)
-        progress.version = out._version
-        progress.extra = _extra_args(args, kwargs)
-        progress.next_pos = 1
-    return out
+# ---------------------------------------------------------------------------------------------
+# Installing a plan
+# ---------------------------------------------------------------------------------------------
 
 
 def _set_role(module: nn.Module, role: _Role) -> None:
@@ -296,24 +601,46 @@ def _set_role(module: nn.Module, role: _Role) -> None:
     module.__dict__["forward"] = _Dispatch(module)
 
 
-def _sub_ops(ops: tuple[Op, ...]) -> Iterator[RecomputeSub]:
+def _assign(
+    model: nn.Module,
+    ops: tuple[Op, ...],
+    members: Sequence[list[nn.Module]],
+    names: Sequence[tuple[str, ...]],
+    roles: dict[int, tuple[nn.Module, str, list[tuple[_Span, int]]]],
+) -> None:
     for op in ops:
         if isinstance(op, RecomputeSub):
-            yield op
+            for fqn in op.fqns:
+                sub = model.get_submodule(fqn)
+                entry = roles.setdefault(id(sub), (sub, fqn, []))
+                entry[2].append((_Span(fqn, 1), 0))
         elif isinstance(op, Recompute):
-            yield from _sub_ops(op.inner)
+            flat = [(m, n) for k in range(op.start, op.stop) for m, n in zip(members[k], names[k])]
+            span = _Span(flat[0][1], len(flat))
+            for position, (module, name) in enumerate(flat):
+                roles.setdefault(id(module), (module, name, []))[2].append((span, position))
+            _assign(model, op.inner, members, names, roles)
+        elif not isinstance(op, Keep):
+            raise RematError(f"apply: unknown plan operation {op!r}; expected Keep, Recompute or RecomputeSub")
 
 
 def install(
-    model: nn.Module, ops: tuple[Op, ...], members: Sequence[list[nn.Module]], names: Sequence[tuple[str, ...]]
+    model: nn.Module,
+    ops: tuple[Op, ...],
+    members: Sequence[list[nn.Module]],
+    names: Sequence[tuple[str, ...]],
+    *,
+    allow_stateful: bool = False,
 ) -> list[nn.Module]:
-    """Install the top-level operations ``ops`` on ``model``'s modules (all or nothing).
+    """Install the plan operations ``ops`` on ``model``'s modules (all or nothing).
 
     Args:
         model: The model (used for sub-module lookup).
         ops: Top-level plan operations over blocks ``0..n-1``.
         members: The member modules of each block.
         names: The member FQNs of each block (for messages).
+        allow_stateful: Recompute modules whose forward updates buffers other than BatchNorm's
+            (NOTE [ State under recomputation ]).
 
     Returns:
         Every module whose ``forward`` was overridden.
@@ -321,24 +648,13 @@ def install(
     Raises:
         RematError: If a module already belongs to another applied plan (nothing is installed then).
     """
+    roles: dict[int, tuple[nn.Module, str, list[tuple[_Span, int]]]] = {}
+    _assign(model, ops, members, names, roles)
     touched: list[nn.Module] = []
     try:
-        for sub_op in _sub_ops(ops):
-            # Wherever a RecomputeSub sits in the tree, its block's final run is the one that keeps
-            # tensors; in the no-save runs above it the sub-module's own checkpoint is harmless.
-            for fqn in sub_op.fqns:
-                sub = model.get_submodule(fqn)
-                _set_role(sub, _Role(_Span((Keep(0),), {0: [sub]}, 1), 0, sub.__dict__.get("forward"), fqn))
-                touched.append(sub)
-        for op in ops:
-            if not isinstance(op, Recompute):
-                continue
-            covered = {k: list(members[k]) for k in range(op.start, op.stop)}
-            flat = [(m, n) for k in range(op.start, op.stop) for m, n in zip(members[k], names[k])]
-            span = _Span(op.inner, covered, len(flat))
-            for pos, (module, name) in enumerate(flat):
-                _set_role(module, _Role(span, pos, module.__dict__.get("forward"), name))
-                touched.append(module)
+        for module, name, spans in roles.values():
+            _set_role(module, _Role(tuple(spans), module.__dict__.get("forward"), name, allow_stateful))
+            touched.append(module)
     except BaseException:
         uninstall(touched)
         raise
@@ -357,20 +673,53 @@ def uninstall(modules: Sequence[nn.Module]) -> None:
             module.__dict__.pop("forward", None)
 
 
-def is_dispatcher(module: nn.Module) -> bool:
-    """Whether calls of ``module`` go to remat's dispatcher (they are then not real forward runs)."""
+def is_applied_module(module: nn.Module) -> bool:
+    """Whether remat runs ``module`` (it belongs to an applied plan's span)."""
     return "_remat_role" in module.__dict__
+
+
+class _FnModule(nn.Module):
+    """A function as a module, so that the modules it is, is bound to or closes over are its children
+    (their buffers are then covered by NOTE [ State under recomputation ])."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+        owners: list[nn.Module] = []
+        if isinstance(fn, nn.Module):
+            owners.append(fn)
+        elif isinstance(getattr(fn, "__self__", None), nn.Module):
+            owners.append(fn.__self__)  # type: ignore[union-attr]
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            if isinstance(value, nn.Module):
+                owners.append(value)
+        self.owners = nn.ModuleList(dict.fromkeys(owners))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+def run_function(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``fn(*args, **kwargs)`` as a one-call span (``remat.checkpoint``)."""
+    module = _FnModule(fn)
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    role = _Role(((_Span(name, 1), 0),), None, name)
+    return _invoke(module, role, role.spans, args, kwargs, replay=False)
 
 
 @contextlib.contextmanager
 def count_forwards(first_members: Sequence[nn.Module]) -> Iterator[dict[int, int]]:
-    """Count how often each module's real forward runs (recomputations included).
+    """Count how often each module's forward runs: calls by the model and replays in the backward.
 
     Yields:
         A dict from ``id(module)`` to the number of forward runs so far.
     """
     counts = {id(m): 0 for m in first_members}
-    handles = [m.register_forward_pre_hook(lambda mod, _args: _count(mod, +1)) for m in first_members]
+    handles = [m.register_forward_pre_hook(lambda mod, _args: _count(mod)) for m in first_members]
     previous = _LOCAL.counts
     _LOCAL.counts = counts
     try:
@@ -383,7 +732,7 @@ def count_forwards(first_members: Sequence[nn.Module]) -> Iterator[dict[int, int
 
 @contextlib.contextmanager
 def observed(observer: Observer) -> Iterator[None]:
-    """Report every real forward run remat's runner makes: ``observer(module, started, raised)``."""
+    """Report every replayed forward run (those bypass module hooks): ``observer(module, started, raised)``."""
     previous = _LOCAL.observer
     _LOCAL.observer = observer
     try:
