@@ -201,8 +201,11 @@ def test_keyword_arguments_and_tuple_dict_outputs() -> None:
 def test_multi_block_segment_on_a_unet_replays_the_skips() -> None:
     w = workload("unet", features=(4, 8), image_size=32, batch=2)
     blocks = remat.blocks(w.model)
-    # The decoder stages take (x, skip): the segment replays each stage with the skip it really received.
-    plan = Plan("two-block segment", blocks, (Recompute(0, 2, (Keep(0), Keep(1))),))
+    assert [b.name for b in blocks] == ["downs.0", "downs.1", "ups.0", "ups.1"]
+    # The decoder stages take (x, skip): each segment replays its stages with the skips they really
+    # received, and the encoder's pools run between its stages.
+    ops = (Recompute(0, 2, (Keep(0), Keep(1))), Recompute(2, 4, (Keep(2), Keep(3))))
+    plan = Plan("two-block segments", blocks, ops)
     assert remat.check_gradients(w.model, plan, w.inputs, w.loss_fn).equal
     prof = remat.profile(w.model, w.inputs, w.loss_fn, repeats=1)
     assert not prof.is_chain  # a skip is held across the boundary: the solvers keep segments to one block

@@ -41,7 +41,7 @@ def test_budget_as_share_bytes_and_errors(small_mlp: Workload) -> None:
     assert share.budget_bytes == int(0.6 * prof.peak_bytes)
     assert remat.plan(prof, share.budget_bytes).ops == share.ops
     with pytest.raises(BudgetInfeasibleError, match=r"budget 1B is below the smallest feasible peak [0-9.]+KiB \(optimal: .*\); raise the budget") as err:
-        remat.plan(prof, 1)
+        remat.plan(prof, "1B")
     assert err.value.budget_bytes == 1 and err.value.min_peak_bytes > 1
     # The smallest feasible peak itself is feasible.
     assert remat.plan(prof, err.value.min_peak_bytes).predicted_peak_bytes == err.value.min_peak_bytes

@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from remat.apply.runtime import Keep, _Span, install, run_checkpointed, uninstall
+from remat.apply.runtime import install, run_function, uninstall
 from remat.blocks import Block, fingerprint, resolve
 from remat.blocks import blocks as find_blocks
 from remat.errors import BlockSelectionError, PlanMismatchError, RematError
+from remat.plan.chain import validate_ops
 from remat.plan.strategies import Strategy, _Named
 from remat.plan.types import Plan
 
@@ -66,45 +67,68 @@ def apply(
     *,
     blocks: Sequence[Block] | None = None,
     profile: Profile | None = None,
+    allow_stateful: bool = False,
 ) -> Plan:
     """Checkpoint ``model`` in place according to a plan or a strategy.
 
-    Blocks to recompute run under ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, nested
-    for nested plans); parameters, their identity and ``state_dict`` keys are unchanged. Applying again
-    replaces the previous plan; :func:`remove` restores the model exactly.
+    Each recomputed segment drops what autograd saves inside its blocks and, in the backward, replays
+    the calls the model made to them (RNG, autocast and buffer state restored per call, nested for
+    nested plans; NOTE [ Spans ] in ``remat.apply.runtime``). Every block still runs when the model
+    calls it and returns its real output, whatever the calling pattern. Parameters, their identity and
+    ``state_dict`` keys are unchanged. Applying again replaces the previous plan; :func:`remove`
+    restores the model exactly.
 
     Args:
         model: The model to change in place.
         plan: A :class:`~remat.plan.types.Plan` (from ``remat.plan``) or a strategy (``remat.full()`` ...).
         blocks: For a strategy, the blocks it chooses from (default ``remat.blocks(model)``).
         profile: For a strategy that needs sizes (``largest``, ``budget``, ``dynamic``).
+        allow_stateful: Recompute blocks whose forward updates buffers other than BatchNorm's (a
+            stateful forward); by default the first such forward raises a ``RematError`` and leaves
+            the model's state as it was (NOTE [ State under recomputation ]).
 
     Returns:
         The plan now in effect.
 
     Raises:
-        PlanMismatchError: If the plan was made for different blocks than this model has.
-        RematError: If a strategy needs a profile and none is given.
+        PlanMismatchError: If the plan was made for different blocks than this model has, or covers only
+            part of them (a plan for a 4-layer model on a 6-layer one).
+        RematError: If the plan's operations do not cover its blocks once each, in order
+            (``remat.plan.chain.validate_ops``), or a strategy needs a profile and none is given.
     """
     if isinstance(plan, Strategy):
         plan = to_plan(plan, model, blocks=blocks, profile=profile)
     elif not isinstance(plan, Plan):
         raise RematError(f"apply: expected a Plan or a strategy, got {type(plan).__name__}; see remat.plan or remat.full()")
+    validate_ops(plan.ops, len(plan.blocks), block_fqns=[b.fqns for b in plan.blocks], source=f"apply ({plan.strategy})")
     try:
         members = resolve(model, plan.blocks)
     except BlockSelectionError as e:
         raise PlanMismatchError(f"apply: the plan ({plan.strategy}) does not fit this model: {e}") from None
     if plan.fingerprint is not None:
-        found = fingerprint(model, plan.blocks)
-        if found != plan.fingerprint:
+        # "<blocks>.<run>" (remat.blocks.fingerprint); a plan written before <run> existed has only <blocks>.
+        want_blocks, _, want_run = plan.fingerprint.partition(".")
+        found_blocks, _, found_run = fingerprint(model, plan.blocks).partition(".")
+        if found_blocks != want_blocks:
             raise PlanMismatchError(
-                f"apply: the plan ({plan.strategy}) was made for blocks with fingerprint {plan.fingerprint}, but this "
-                f"model's blocks {plan.blocks[0].name}..{plan.blocks[-1].name} give {found} (different classes or "
+                f"apply: the plan ({plan.strategy}) was made for blocks with fingerprint {want_blocks}, but this "
+                f"model's blocks {plan.blocks[0].name}..{plan.blocks[-1].name} give {found_blocks} (different classes or "
                 "parameter shapes); profile and plan this model again"
             )
+        if want_run and found_run != want_run:
+            try:
+                here = find_blocks(model)
+                found = f"here remat.blocks(model) finds {len(here)} blocks ({here[0].name}..{here[-1].name})"
+            except BlockSelectionError:
+                found = "here remat.blocks(model) finds no blocks"
+            raise PlanMismatchError(
+                f"apply: the plan ({plan.strategy}) covers {len(plan.blocks)} blocks ({plan.blocks[0].name}.."
+                f"{plan.blocks[-1].name}) of a model with a different number of such modules; {found}; a plan "
+                "must cover the blocks of the model it was made for, not part of them: profile and plan this model again"
+            )
     remove(model)
-    touched = install(model, plan.ops, members, [b.fqns for b in plan.blocks])
-    model.__dict__[_APPLIED_ATTR] = (plan, touched)
+    touched = install(model, plan.ops, members, [b.fqns for b in plan.blocks], allow_stateful=allow_stateful)
+    model.__dict__[_APPLIED_ATTR] = (plan, touched, allow_stateful)
     return plan
 
 
@@ -130,32 +154,26 @@ def applied(model: nn.Module) -> Plan | None:
 @contextlib.contextmanager
 def _suspended(model: nn.Module) -> Iterator[Plan | None]:
     """Temporarily remove an applied plan (e.g. to profile the plain model), then put it back."""
+    entry = model.__dict__.get(_APPLIED_ATTR)
+    allow_stateful = bool(entry[2]) if entry is not None and len(entry) > 2 else False
     plan = remove(model)
     try:
         yield plan
     finally:
         if plan is not None:
-            apply(model, plan)
+            apply(model, plan, allow_stateful=allow_stateful)
 
 
 def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run ``fn(*args, **kwargs)`` under a non-reentrant, RNG-preserving checkpoint.
+    """Run ``fn(*args, **kwargs)`` so that its activations are dropped after the forward and recomputed in
+    the backward (RNG state preserved, so dropout is exact).
 
-    Its activations are dropped after the forward and recomputed in the backward; BatchNorm running
-    statistics are not updated twice. The function-level form of the toolkit seed's ``checkpoint(fn, x)``.
+    Buffers that ``fn`` updates in place (BatchNorm running statistics) end as in a plain call when
+    ``fn`` is a module, a bound method of one, or a function that closes over the modules it uses
+    (NOTE [ State under recomputation ] in ``remat.apply.runtime``). The function-level form of the
+    toolkit seed's ``checkpoint(fn, x)``.
     """
-    # The wrapper calls fn itself (a module through __call__, so its hooks run, inside the checkpoint).
-    span = _Span((Keep(0),), {0: [_FnModule(fn)]}, 1)
-    return run_checkpointed(span.ops, span, args, kwargs)
-
-
-class _FnModule(nn.Module):
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        super().__init__()
-        self.fn = fn  # a module given here becomes a child: its BatchNorms are found in the recompute
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
+    return run_function(fn, args, kwargs)
 
 
 class CheckpointedSequential(nn.Sequential):

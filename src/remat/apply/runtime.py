@@ -310,34 +310,11 @@ class _Frame:
     def replay(self, gid: int) -> None:
         self.counter[gid] = 0
         self.recomputed[gid] = weakref.WeakKeyDictionary()
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            idx = self.counter[gid]
-            self.counter[gid] = idx + 1
-            if idx >= len(self.holders):
-                raise RematError(
-                    f"apply: recomputing the segment starting at {self.span.name!r} saved more tensors than its forward; "
-                    "the model's forward is not a function of its inputs and state (Python state changed?); "
-                    "keep these blocks (a plan that does not recompute them)"
-                )
-            if _meta(t) != self.meta[idx]:
-                raise RematError(
-                    f"apply: recomputing module {self._who(idx)!r} (segment starting at {self.span.name!r}) saved a "
-                    f"tensor of shape/dtype/device {_meta(t)} where its forward saved {self.meta[idx]}; the module's "
-                    "forward depends on something that changed since it ran (Python state, an argument edited in "
-                    "place, a cache); keep it (a plan that does not recompute it)"
-                )
-            holder = self.holders[idx]()
-            if holder is not None:
-                handle = _Handle()
-                holder.handles[gid] = handle
-                self.recomputed[gid][handle] = t.detach() if t.requires_grad else t
-            if self.counter[gid] == len(self.holders):
-                raise _Stop
-            return t
-
+        # The replay's own graph keeps this hook alive (saved variables hold their hooks): reach the
+        # frame through a weak reference, as torch's _recomputation_hook does, or the frame would leak.
+        pack = _replay_pack(weakref.ref(self), gid)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(pack, _identity), torch.enable_grad():
                 self._run_calls()
         except _Stop:
             pass
@@ -386,6 +363,44 @@ class _Frame:
                 leaves.append(value)
         args, kwargs = tree_unflatten(leaves, call.spec)
         return tuple(args), dict(kwargs)
+
+
+def _identity(t: Any) -> Any:
+    return t
+
+
+def _replay_pack(frame_ref: weakref.ref[_Frame], gid: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        # Detached: a saved output packed with its grad_fn would make a reference cycle through C++.
+        t = t.detach() if t.requires_grad else t
+        frame = frame_ref()
+        if frame is None:  # pragma: no cover - the frame replays itself, so it is alive here
+            raise RematError("apply: internal error, a segment's recording was freed during its replay")
+        idx = frame.counter[gid]
+        frame.counter[gid] = idx + 1
+        if idx >= len(frame.holders):
+            raise RematError(
+                f"apply: recomputing the segment starting at {frame.span.name!r} saved more tensors than its forward; "
+                "the model's forward is not a function of its inputs and state (Python state changed?); "
+                "keep these blocks (a plan that does not recompute them)"
+            )
+        if _meta(t) != frame.meta[idx]:
+            raise RematError(
+                f"apply: recomputing module {frame._who(idx)!r} (segment starting at {frame.span.name!r}) saved a "
+                f"tensor of shape/dtype/device {_meta(t)} where its forward saved {frame.meta[idx]}; the module's "
+                "forward depends on something that changed since it ran (Python state, an argument edited in "
+                "place, a cache); keep it (a plan that does not recompute it)"
+            )
+        holder = frame.holders[idx]()
+        if holder is not None:
+            handle = _Handle()
+            holder.handles[gid] = handle
+            frame.recomputed[gid][handle] = t
+        if frame.counter[gid] == len(frame.holders):
+            raise _Stop
+        return t
+
+    return pack
 
 
 def _same_snapshot(snap: dict[str, Any], value: Any) -> bool:

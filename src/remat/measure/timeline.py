@@ -5,17 +5,14 @@ NOTE [ What a step's peak means ]) while :func:`remat.profile.profiler.probe` le
 block boundary; the markers become the forward/backward phases and one interval per block run.
 
 # NOTE [ Real forward runs ]
-With a plan applied, a checkpointed block's module is also *called* when it does not run: the first
-member of a span dispatches the whole span and later members pass the span's output through
-(NOTE [ Spans ] in ``remat.apply.runtime``). The probe reports those calls as F like any other, so
-each F is tagged when it fires: a call of a module with no remat override is a real run; a call of a
-module with one is not, and its real runs are reported by remat's runner, which calls the original
-forward directly (``remat.apply.runtime.observed``). A run ends when its last member returns, or when
-any member raises: torch stops a recomputation early by raising once it has every tensor it needs, so
-the probe's f (an ordinary forward hook) never fires for it; remat's own ``always_call`` forward hooks
-and the runner's reports see both. Calls nest properly per block, so a stack per block pairs each end
-with its F. A real run after the loss was computed is a recomputation; so is a
-sub-module's (``attention_only``/``ffn_only``) forward there.
+With a plan applied, every call the model makes to a block is a real run (NOTE [ Spans ] in
+``remat.apply.runtime``): the probe's hooks see it as usual. A recomputation replays the calls without
+going through ``__call__``, so no module hook fires for a replayed block; remat's runner reports those
+runs (``remat.apply.runtime.observed``): start, and end or raise. A replay ends early by raising once
+it has every tensor it needs, so a run ends when its last member returns or raises. Sub-modules
+(``attention_only``/``ffn_only``) checkpointed on their own are replayed the same way and reported too.
+Calls nest properly per block, so a stack per block pairs each end with its F. A real run after the
+loss was computed is a recomputation.
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import nn
 
+from remat._json import Reader, read
 from remat.apply import applied
 from remat.apply import runtime as _runtime
 from remat.blocks import Block, resolve
@@ -128,33 +126,18 @@ class Timeline:
 
     @classmethod
     def from_json(cls, text: str) -> Timeline:
-        """Read a timeline written by :meth:`to_json`.
+        """Read a timeline written by :meth:`to_json` (NOTE [ One loading policy ] in ``remat._json``).
 
         Raises:
-            RematError: If the text is not a timeline of this schema version.
+            RematError: If the text is not a timeline of this schema version, or lacks or mistypes a field.
         """
-        data = json.loads(text)
-        found = data.pop("schema_version", None) if isinstance(data, dict) else type(data).__name__
-        if found != cls.schema_version:
+        tl = read(cls, text, Reader("timeline", "record the timeline again with remat.timeline(...).to_json()"))
+        if len(tl.t_ms) != len(tl.bytes):
             raise RematError(
-                f"timeline json: schema_version {found!r} is not {cls.schema_version}; record the timeline again with this remat"
+                f"timeline json: field 't_ms' has {len(tl.t_ms)} entries and 'bytes' {len(tl.bytes)}, expected one "
+                "time per level; record the timeline again with remat.timeline(...).to_json()"
             )
-        return cls(
-            t_ms=tuple(float(t) for t in data["t_ms"]),
-            bytes=tuple(int(b) for b in data["bytes"]),
-            phases=tuple(Phase(str(n), float(a), float(b)) for n, a, b in data["phases"]),
-            intervals=tuple(Interval(str(n), str(k), float(a), float(b)) for n, k, a, b in data["intervals"]),
-            peak_bytes=int(data["peak_bytes"]),
-            duration_ms=float(data["duration_ms"]),
-            held_bytes=int(data["held_bytes"]),
-            plan=str(data["plan"]),
-            device=str(data["device"]),
-        )
-
-
-def _runs_for_real(module: nn.Module) -> bool:
-    # NOTE [ Real forward runs ]: a call of remat's dispatcher is not a run; the runner reports those.
-    return not _runtime.is_dispatcher(module)
+        return tl
 
 
 def timeline(
@@ -200,12 +183,7 @@ def timeline(
     def note(kind: str, index: int) -> None:
         if kind in ("f", "s"):
             return  # ends come from the hooks below (NOTE [ Real forward runs ])
-        real = True
-        if kind == "F":
-            real = _runs_for_real(firsts[index])
-        elif kind == "S":
-            real = _runs_for_real(sub_modules[index])
-        events.append((kind, index, real))
+        events.append((kind, index, True))
         mark(f"e{len(events) - 1}")
 
     first_of = {id(m): i for i, m in enumerate(firsts)}
@@ -213,7 +191,7 @@ def timeline(
     sub_of = {id(m): j for j, m in enumerate(sub_modules)}
 
     def runner_report(module: nn.Module, started: bool, _raised: bool) -> None:
-        # NOTE [ Real forward runs ]: the runner calls original forwards without hooks; it reports them.
+        # NOTE [ Real forward runs ]: a replay calls forwards without hooks; the runner reports them.
         key = id(module)
         if started and key in first_of:
             events.append(("F", first_of[key], True))

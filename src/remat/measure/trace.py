@@ -39,6 +39,7 @@ __all__ = [
     "held_bytes",
     "device_of",
     "timed_steps",
+    "live_allocations",
 ]
 
 MARK_PREFIX = "remat::"
@@ -201,17 +202,20 @@ def _quiet_native_stderr() -> Iterator[None]:
         os.close(devnull)
 
 
-def record_memory(step: Callable[[], Any], device: torch.device) -> MemoryTrace:
-    """Run ``step`` once under the torch profiler and return its allocation trace.
+@dataclass(frozen=True)
+class _Events:
+    """Raw profiler events of one step: allocations ``(t_ns, ptr, bytes)`` (negative bytes: frees)
+    and markers ``(name, t_ns)``, times from the step's start."""
 
-    See NOTE [ What a step's peak means ].
-    """
+    allocs: list[tuple[int, int, int]]
+    marks: list[tuple[str, int]]
+    duration_ns: int
+
+
+def _profiled(step: Callable[[], Any], device: torch.device) -> _Events:
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        start_alloc = torch.cuda.memory_allocated(device)
     prof = torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=False)
     with _quiet_native_stderr():
         prof.start()
@@ -225,7 +229,7 @@ def record_memory(step: Callable[[], Any], device: torch.device) -> MemoryTrace:
         with _quiet_native_stderr():
             prof.stop()
     tree = prof.profiler.kineto_results.experimental_event_tree()  # type: ignore[union-attr]
-    allocs: list[tuple[int, int]] = []
+    allocs: list[tuple[int, int, int]] = []
     marks: list[tuple[str, int]] = []
     from torch._C._profiler import _EventType
 
@@ -235,7 +239,7 @@ def record_memory(step: Callable[[], Any], device: torch.device) -> MemoryTrace:
         if node.tag == _EventType.Allocation:
             ef = node.extra_fields
             if ef.device.type == device.type:
-                allocs.append((node.start_time_ns, int(ef.alloc_size)))
+                allocs.append((node.start_time_ns, int(ef.ptr), int(ef.alloc_size)))
         elif node.name.startswith(MARK_PREFIX):
             marks.append((node.name[len(MARK_PREFIX) :], node.start_time_ns))
         stack.extend(node.children)
@@ -245,23 +249,67 @@ def record_memory(step: Callable[[], Any], device: torch.device) -> MemoryTrace:
         raise RematError("measure: the profiler lost remat's step markers; run with no other profiler active")
     t0 = times["step_start"]
     allocs.sort()
+    return _Events(
+        allocs=[(t - t0, ptr, size) for t, ptr, size in allocs],
+        marks=[(n, t - t0) for n, t in marks if n not in ("step_start", "step_end")],
+        duration_ns=times["step_end"] - t0,
+    )
+
+
+def record_memory(step: Callable[[], Any], device: torch.device) -> MemoryTrace:
+    """Run ``step`` once under the torch profiler and return its allocation trace.
+
+    See NOTE [ What a step's peak means ].
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start_alloc = torch.cuda.memory_allocated(device)
+    events = _profiled(step, device)
     level, peak = 0, 0
     t_ns, levels = [], []
-    for t, delta in allocs:
+    for t, _ptr, delta in events.allocs:
         level += delta
         peak = max(peak, level)
-        t_ns.append(t - t0)
+        t_ns.append(t)
         levels.append(level)
     if device.type == "cuda":
         peak = int(torch.cuda.max_memory_allocated(device)) - int(start_alloc)
     return MemoryTrace(
         t_ns=tuple(t_ns),
         level_bytes=tuple(levels),
-        marks=tuple((n, t - t0) for n, t in marks if n not in ("step_start", "step_end")),
+        marks=tuple(events.marks),
         peak_bytes=peak,
-        duration_ns=times["step_end"] - t0,
+        duration_ns=events.duration_ns,
         device=device.type,
     )
+
+
+def live_allocations(step: Callable[[], Any], device: torch.device, at: str) -> tuple[dict[int, tuple[int, int]], dict[str, int]]:
+    """Run ``step`` under the torch profiler; the allocations still alive at the marker ``at``.
+
+    Returns:
+        ``ptr -> (bytes, allocation time in ns)`` for every block of memory allocated during the step
+        and not freed by the marker, and the time of every marker (its first occurrence), ns.
+
+    Raises:
+        RematError: If the step left no marker ``at``.
+    """
+    events = _profiled(step, device)
+    times: dict[str, int] = {}
+    for name, t in events.marks:
+        times.setdefault(name, t)
+    if at not in times:
+        raise RematError(f"measure: the profiler lost remat's {at!r} marker; run with no other profiler active")
+    live: dict[int, tuple[int, int]] = {}
+    for t, ptr, size in events.allocs:
+        if t > times[at]:
+            break
+        if size > 0:
+            live[ptr] = (size, t)
+        else:
+            live.pop(ptr, None)
+    return live, times
 
 
 def timed_steps(step: Callable[[], Any], device: torch.device, repeats: int) -> list[float]:

@@ -26,18 +26,29 @@ A plan is a sequence of operations over blocks ``0..n-1`` (the head is implicit 
   ``RecomputeSub(k, fqns)``     block k runs normally except its sub-modules ``fqns`` (e.g. its
                                 attention) which are checkpointed one by one.
 
+Two more measured terms make any calling pattern fit this model (NOTE [ Spans ] in
+``remat.apply.runtime``): ``g[k]`` (``gap_bytes``), the level change from the end of block k's forward
+to the start of block k+1 (code between blocks), and what stays alive inside a block when autograd
+saves nothing, ``pin[k]`` (``pinned_bytes``) and, for its output, ``pout[k]`` (``pinned_out_bytes``;
+hidden states a model collects). A kept block holds ``S'[k] = S[k] + g[k]``; a segment ``a..b-1``
+holds ``H(a, b) = x[b] + c + sum(g[q] + pin[q] for q in a..b-1) + sum(pout[q] for q in a..b-2)``
+(``Chain.segment_bytes``).
+
 Memory is simulated (``remat.plan.simulate``) with a level ``L`` starting at ``base_bytes``:
-  forward   Keep(k):            peak L + fp[k];  L += S[k]
-            Recompute(a, b):    peak L + c + fp[q] + (x[q] if q > a) for q in a..b-1;  L += x[b] + c
+  forward   Keep(k):            peak L + fp[k];  L += S'[k]
+            Recompute(a, b):    peak L + c + fp[q] + (x[q] if q > a) for q in a..b-1;  L += H(a, b)
             head:               peak L + fp[n];  L += S[n] (0)
   backward (reverse order)
-            Keep(k):            peak L + bp[k];  L -= S[k]
-            Recompute(a, b, I): forward of I from L, then backward of I (reverse), then L -= x[b] + c;
-                                the last block of I (always a Keep) holds S[b-1] - out_free[b-1]
-                                (the recomputed output is not kept: torch stops recomputing once
-                                every saved tensor is back, and nothing holds the output)
+            Keep(k):            peak L + bp[k];  L -= S'[k]
+            Recompute(a, b, I): forward of I from L, then backward of I (reverse), then L -= H(a, b);
+                                the last block of I (always a Keep) holds S'[b-1] - out_free[b-1]
+                                (the recomputed output is not kept: the replay stops once every
+                                saved tensor is back, and nothing holds the output)
   after the chain:              peak base + tail_peak
-(c is ``ckpt_state_bytes``, the RNG state a checkpoint keeps.)
+(c is ``ckpt_state_bytes``, the RNG state a checkpoint keeps.) ``bp[k]`` is measured against the level
+after block k's forward, so charging it from ``S'`` errs by ``g[k]`` on the safe side. The solvers only
+put several blocks in one segment where nothing is held between them (``Profile.is_chain``): the
+simulation charges any other segment exactly as above.
 Time is the sum of every forward run (recomputations included) and every backward; a no-save
 forward under a checkpoint costs ``ckpt_fwd_ms`` per block plus ``ckpt_call_ms`` per checkpoint call
 (both measured, see NOTE [ Measured checkpoint costs ] in ``remat.profile.profiler``).
@@ -45,12 +56,14 @@ forward under a checkpoint costs ``ckpt_fwd_ms`` per block plus ``ckpt_call_ms``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from remat._json import Reader
 from remat.errors import RematError
 
-__all__ = ["Chain", "Keep", "Recompute", "RecomputeSub", "Op", "ops_repr", "ops_to_json", "ops_from_json"]
+__all__ = ["Chain", "Keep", "Recompute", "RecomputeSub", "Op", "ops_repr", "ops_to_json", "ops_from_json", "validate_ops"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,15 @@ class Chain:
             ``Recompute`` runs its no-save forward, milliseconds (default 0).
         ckpt_state_bytes: Bytes each checkpoint holds from its forward to the end of its backward
             besides the segment's output: the RNG state it saves (about 5 KiB on CPU; default 0).
+        gap_bytes: Level change after each block's forward and before the next block starts (code
+            between blocks: a residual add, a norm), bytes (default 0; the last block's is the head's).
+        pinned_bytes: Bytes allocated inside each block's forward, other than its output, that stay
+            alive when autograd saves nothing (held by the model or the user: features a hook keeps),
+            so recomputing the block does not free them (default 0).
+        pinned_out_bytes: Bytes of each block's output that stay alive when autograd saves nothing
+            (hidden states the model collects), held even when the block is inside a segment (default 0).
+        recomputable: Whether each block may be recomputed (``False`` for a stateful forward, see
+            NOTE [ State under recomputation ] in ``remat.apply.runtime``; default all ``True``).
     """
 
     fwd_ms: tuple[float, ...]
@@ -95,8 +117,17 @@ class Chain:
     ckpt_fwd_ms: tuple[float, ...] = ()
     ckpt_call_ms: float = 0.0
     ckpt_state_bytes: int = 0
+    gap_bytes: tuple[int, ...] = ()
+    pinned_bytes: tuple[int, ...] = ()
+    pinned_out_bytes: tuple[int, ...] = ()
+    recomputable: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("gap_bytes", "pinned_bytes", "pinned_out_bytes"):
+            if not getattr(self, name):
+                object.__setattr__(self, name, (0,) * len(self.fwd_ms))
+        if not self.recomputable:
+            object.__setattr__(self, "recomputable", (True,) * len(self.fwd_ms))
         if not self.out_free_bytes:
             object.__setattr__(self, "out_free_bytes", (0,) * len(self.fwd_ms))
         if not self.ckpt_fwd_ms:
@@ -109,6 +140,19 @@ class Chain:
     def n(self) -> int:
         """Number of blocks, the head excluded."""
         return len(self.fwd_ms) - 1
+
+    def kept_level_bytes(self, k: int) -> int:
+        """How much the level rises from block ``k``'s start to the next block's start when ``k`` is kept."""
+        return int(self.keep_bytes[k]) + (int(self.gap_bytes[k]) if k < self.n else 0)
+
+    def segment_bytes(self, start: int, stop: int) -> int:
+        """What a segment of blocks ``start..stop-1`` holds from its forward to its backward, bytes: its
+        output, one RNG state, what the code after it adds, and what stays alive inside it anyway."""
+        held = int(self.x_bytes[stop]) + int(self.ckpt_state_bytes)
+        for q in range(start, stop):
+            held += int(self.gap_bytes[q]) if q < self.n else 0
+            held += int(self.pinned_bytes[q]) + (int(self.pinned_out_bytes[q]) if q < stop - 1 else 0)
+        return held
 
 
 @dataclass(frozen=True)
@@ -165,17 +209,122 @@ def ops_to_json(ops: tuple[Op, ...]) -> list[Any]:
     return out
 
 
-def ops_from_json(data: list[Any]) -> tuple[Op, ...]:
-    """Inverse of :func:`ops_to_json`."""
+def ops_from_json(data: Any, reader: Reader | None = None, path: str = "ops") -> tuple[Op, ...]:
+    """Inverse of :func:`ops_to_json`; only the form is checked here, :func:`validate_ops` checks the coverage.
+
+    Args:
+        data: The JSON list of operations.
+        reader: The file being read (default: a plan file), for messages.
+        path: Where ``data`` is in the file, for messages.
+
+    Raises:
+        RematError: If an operation is not an object, has an unknown ``op``, or lacks or mistypes a field.
+    """
+    reader = reader or Reader("plan")
+    if not isinstance(data, list):
+        raise reader.error(path, "is not a list, expected a list of operations")
     ops: list[Op] = []
-    for item in data:
-        kind = item.get("op")
+    for i, item in enumerate(data):
+        at = f"{path}[{i}]"
+        obj = reader.object(item, at)
+        kind = obj.get("op")
+        if kind not in _OP_FIELDS:
+            raise reader.error(f"{at}.op", f"is {kind!r}, expected one of {', '.join(map(repr, _OP_FIELDS))}")
+        reader.ignore_unknown(obj, {"op", *_OP_FIELDS[kind]}, at)
         if kind == "keep":
-            ops.append(Keep(int(item["index"])))
+            ops.append(Keep(reader.field(obj, "index", int, at)))
         elif kind == "recompute":
-            ops.append(Recompute(int(item["start"]), int(item["stop"]), ops_from_json(item["inner"])))
-        elif kind == "recompute_sub":
-            ops.append(RecomputeSub(int(item["index"]), tuple(item["fqns"])))
+            if "inner" not in obj:
+                raise reader.missing(f"{at}.inner")
+            start, stop = reader.field(obj, "start", int, at), reader.field(obj, "stop", int, at)
+            ops.append(Recompute(start, stop, ops_from_json(obj["inner"], reader, f"{at}.inner")))
         else:
-            raise RematError(f"plan json: unknown operation {kind!r}; expected keep, recompute or recompute_sub")
+            ops.append(RecomputeSub(reader.field(obj, "index", int, at), reader.field(obj, "fqns", tuple[str, ...], at)))
     return tuple(ops)
+
+
+# The fields of each operation's JSON form (besides "op"), in the order ops_to_json writes them.
+_OP_FIELDS: dict[str, tuple[str, ...]] = {"keep": ("index",), "recompute": ("start", "stop", "inner"), "recompute_sub": ("index", "fqns")}
+
+
+def validate_ops(
+    ops: Sequence[Op],
+    n: int,
+    *,
+    block_fqns: Sequence[Sequence[str]] | None = None,
+    source: str = "plan",
+) -> None:
+    """Check that ``ops`` is a plan for blocks ``0..n-1`` (NOTE [ Chain cost model ]).
+
+    The operations must cover every block exactly once, in order, within ``0..n-1``; the inner plan
+    of each ``Recompute`` must cover its span the same way and end with a ``Keep`` or
+    ``RecomputeSub`` (the segment's output is kept); and, when ``block_fqns`` is given, the
+    sub-modules of each ``RecomputeSub`` must lie inside its block.
+
+    Args:
+        ops: The operations.
+        n: Number of blocks of the plan.
+        block_fqns: The member modules' FQNs of each block (``Block.fqns``), to check ``RecomputeSub``.
+        source: Where the check is made, the start of each message (``"apply"``, ``"plan json"`` ...).
+
+    Raises:
+        RematError: Naming the first operation at fault, its position and what was expected.
+    """
+    if block_fqns is not None and len(block_fqns) != n:
+        raise RematError(f"{source}: a plan of {n} blocks was given the names of {len(block_fqns)} blocks")
+    _validate(tuple(ops), 0, n, "plan", source, block_fqns)
+
+
+def _validate(
+    ops: tuple[Op, ...], start: int, stop: int, where: str, source: str, block_fqns: Sequence[Sequence[str]] | None
+) -> None:
+    """Raise unless ``ops`` covers blocks ``start..stop-1`` once each, in order."""
+    expected = start
+    for pos, op in enumerate(ops):
+        if expected >= stop and isinstance(op, (Keep, RecomputeSub, Recompute)):
+            raise RematError(
+                f"{source}: {where} operation {op!r} at position {pos} is past block {stop - 1}, the last one it "
+                f"may cover; a plan must cover blocks {start}..{stop - 1} once each, in order."
+            )
+        if isinstance(op, (Keep, RecomputeSub)):
+            if op.index != expected:
+                raise RematError(
+                    f"{source}: {where} operation {op!r} at position {pos} is for block {op.index}, expected block "
+                    f"{expected}; a plan must cover blocks {start}..{stop - 1} once each, in order."
+                )
+            if isinstance(op, RecomputeSub) and block_fqns is not None:
+                members = tuple(block_fqns[op.index])
+                outside = [f for f in op.fqns if not any(f.startswith(m + ".") for m in members)]
+                if outside or not op.fqns:
+                    what = f"names {outside[0]!r}, which is not inside" if outside else "names no sub-module of"
+                    raise RematError(
+                        f"{source}: {where} operation {op!r} at position {pos} {what} block {op.index} "
+                        f"({', '.join(members)}); a RecomputeSub checkpoints sub-modules of its own block."
+                    )
+            expected += 1
+        elif isinstance(op, Recompute):
+            if op.start != expected or not op.start < op.stop <= stop:
+                raise RematError(
+                    f"{source}: {where} operation {op!r} at position {pos} spans blocks {op.start}..{op.stop - 1}, "
+                    f"expected a non-empty span starting at block {expected} and ending by block {stop - 1}; "
+                    f"a plan must cover blocks {start}..{stop - 1} once each, in order."
+                )
+            if not op.inner or not isinstance(op.inner[-1], (Keep, RecomputeSub)):
+                last = repr(op.inner[-1]) if op.inner else "nothing"
+                raise RematError(
+                    f"{source}: {where} operation {op!r} at position {pos} ends its inner plan with {last}; the "
+                    f"inner plan of a recompute must end with Keep({op.stop - 1}) (or RecomputeSub) so the "
+                    "segment's output is kept."
+                )
+            _validate(op.inner, op.start, op.stop, f"inner plan of {op!r}:", source, block_fqns)
+            expected = op.stop
+        else:
+            raise RematError(
+                f"{source}: {where} operation {op!r} at position {pos} is a {type(op).__name__}; "
+                "expected Keep, Recompute or RecomputeSub."
+            )
+    if expected != stop:
+        raise RematError(
+            f"{source}: {where} operations cover blocks {start}..{expected - 1} but must cover {start}..{stop - 1}; "
+            "add the missing blocks to the plan."
+        )

@@ -69,7 +69,7 @@ import numpy as np
 import numpy.typing as npt
 
 from remat.errors import RematError
-from remat.plan.chain import Chain, Keep, Op, Recompute, RecomputeSub
+from remat.plan.chain import Chain, Keep, Op, Recompute, RecomputeSub, validate_ops
 
 __all__ = ["Simulation", "SubCosts", "simulate", "solve", "min_peak", "min_peak_plan", "all_plans"]
 
@@ -113,50 +113,6 @@ class Simulation:
     extra_ms: float
 
 
-def _validate(ops: tuple[Op, ...], start: int, stop: int, where: str) -> None:
-    """Raise unless ``ops`` covers blocks ``start..stop-1`` once each, in order."""
-    expected = start
-    for pos, op in enumerate(ops):
-        if expected >= stop and isinstance(op, (Keep, RecomputeSub, Recompute)):
-            raise RematError(
-                f"simulate: {where} operation {op!r} at position {pos} is past block {stop - 1}, the last one it "
-                f"may cover; a plan must cover blocks {start}..{stop - 1} once each, in order."
-            )
-        if isinstance(op, (Keep, RecomputeSub)):
-            if op.index != expected:
-                raise RematError(
-                    f"simulate: {where} operation {op!r} at position {pos} is for block {op.index}, expected block "
-                    f"{expected}; a plan must cover blocks {start}..{stop - 1} once each, in order."
-                )
-            expected += 1
-        elif isinstance(op, Recompute):
-            if op.start != expected or not op.start < op.stop <= stop:
-                raise RematError(
-                    f"simulate: {where} operation {op!r} at position {pos} spans blocks {op.start}..{op.stop - 1}, "
-                    f"expected a non-empty span starting at block {expected} and ending by block {stop - 1}; "
-                    f"a plan must cover blocks {start}..{stop - 1} once each, in order."
-                )
-            if not op.inner or not isinstance(op.inner[-1], (Keep, RecomputeSub)):
-                last = repr(op.inner[-1]) if op.inner else "nothing"
-                raise RematError(
-                    f"simulate: {where} operation {op!r} at position {pos} ends its inner plan with {last}; the "
-                    f"inner plan of a recompute must end with Keep({op.stop - 1}) (or RecomputeSub) so the "
-                    "segment's output is kept."
-                )
-            _validate(op.inner, op.start, op.stop, f"inner plan of {op!r}:")
-            expected = op.stop
-        else:
-            raise RematError(
-                f"simulate: {where} operation {op!r} at position {pos} is a {type(op).__name__}; "
-                "expected Keep, Recompute or RecomputeSub."
-            )
-    if expected != stop:
-        raise RematError(
-            f"simulate: {where} operations cover blocks {start}..{expected - 1} but must cover {start}..{stop - 1}; "
-            "add the missing blocks to the plan."
-        )
-
-
 def _kept_sizes(chain: Chain, k: int, saved: int) -> tuple[int, int, int]:
     """(S, fp, bp) of block ``k`` run normally, with ``saved`` bytes of sub-modules checkpointed.
 
@@ -165,7 +121,7 @@ def _kept_sizes(chain: Chain, k: int, saved: int) -> tuple[int, int, int]:
     forward, and are recomputed during the block's backward), so ``bp`` rises by ``saved`` relative
     to the lower level.
     """
-    keep, fwd_peak, bwd_peak = int(chain.keep_bytes[k]), int(chain.fwd_peak_bytes[k]), int(chain.bwd_peak_bytes[k])
+    keep, fwd_peak, bwd_peak = chain.kept_level_bytes(k), int(chain.fwd_peak_bytes[k]), int(chain.bwd_peak_bytes[k])
     return keep - saved, fwd_peak, bwd_peak + saved
 
 
@@ -179,7 +135,7 @@ def _variants(chain: Chain, sub_costs: SubCosts | None) -> list[list[_Variant]]:
     for k in range(chain.n + 1):
         out.append([(None, *_kept_sizes(chain, k, 0), 0.0)])
     for (k, fqns), (saved, ms) in sorted((sub_costs or {}).items()):
-        if 0 <= k < chain.n:
+        if 0 <= k < chain.n and chain.recomputable[k]:
             out[k].append((tuple(fqns), *_kept_sizes(chain, k, int(saved)), float(ms)))
     return out
 
@@ -225,7 +181,7 @@ class _Simulator:
                 self._rise(c.ckpt_state_bytes + c.fwd_peak_bytes[q] + (c.x_bytes[q] if q > op.start else 0))
                 # The no-save run costs ckpt_fwd_ms; the plain forward counted once is then not run.
                 self.extra_ms += float(c.ckpt_fwd_ms[q]) - (0.0 if replay else float(c.fwd_ms[q]))
-            self.level += c.x_bytes[op.stop] + c.ckpt_state_bytes
+            self.level += c.segment_bytes(op.start, op.stop)
             return
         keep, fwd_peak, _ = self._block_sizes(op)
         self._rise(fwd_peak)
@@ -242,7 +198,7 @@ class _Simulator:
                 self.forward(inner_op, replay=True, discard=freed if i == last else 0)
             for i in range(last, -1, -1):
                 self.backward(op.inner[i], discard=freed if i == last else 0)
-            self.level -= self.chain.x_bytes[op.stop] + self.chain.ckpt_state_bytes
+            self.level -= self.chain.segment_bytes(op.start, op.stop)
             return
         keep, _, bwd_peak = self._block_sizes(op)
         self._rise(bwd_peak)
@@ -277,7 +233,7 @@ def simulate(chain: Chain, ops: tuple[Op, ...], sub_costs: SubCosts | None = Non
         RematError: If the operations do not cover the blocks once each in order, an inner plan does
             not end with a ``Keep``, or ``sub_costs`` lacks a ``RecomputeSub`` of the plan.
     """
-    _validate(tuple(ops), 0, chain.n, "plan")
+    validate_ops(ops, chain.n, source="simulate")
     sim = _Simulator(chain, sub_costs)
     for op in ops:
         sim.forward(op, replay=False)
@@ -367,10 +323,11 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
     for s in range(n + 1):
         level_units.append(_ceil_div(level, u))
         slack.append(level_units[-1] * u - level)
-        level += int(chain.keep_bytes[s])
+        level += chain.kept_level_bytes(s)
     slack.append(0)
-    # A checkpoint holds the segment's output and its saved RNG state (ckpt_state_bytes).
-    held = [int(chain.x_bytes[k]) + int(chain.ckpt_state_bytes) for k in range(n + 1)]
+    # A checkpoint holds the segment's output, its saved RNG state (ckpt_state_bytes) and what stays
+    # alive anyway (Chain.segment_bytes; multi-block segments only where nothing else is held).
+    held = _held(chain)
     rest_units = [_ceil_div(held[k] + slack[k], u) for k in range(n + 1)]
     inner_units = [_ceil_div(held[k], u) for k in range(n + 1)]
     # NOTE [ Keep variants ]: a block kept with sub-modules checkpointed holds fewer bytes for more time.
@@ -419,7 +376,12 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
             # s..t fits, used by (s, t') with t' > t as "checkpoint s..t, recompute it under plan(s, t)".
             fsum = 0.0
             later = -_INF  # max of fp[q] + x[q] over q in s+1..t: blocks that hold their input
+            blocked = False  # a block in s..t may not be recomputed (stateful)
             for s in range(t, -1, -1):
+                blocked = blocked or not chain.recomputable[s]
+                if blocked:
+                    shifted[s, t + 1] = _INF
+                    continue
                 fsum = float(chain.ckpt_fwd_ms[s]) + fsum
                 if s < t:
                     later = max(later, int(chain.fwd_peak_bytes[s + 1]) + int(chain.x_bytes[s + 1]))
@@ -512,6 +474,15 @@ def solve(
 # ----------------------------------------------------------------------------------------------
 
 
+# Stands for "infeasible" in the integer peak tables (a segment over a block that may not be recomputed).
+_BIG = 1 << 62
+
+
+def _held(chain: Chain) -> list[int]:
+    """What a checkpoint ending before block ``k`` holds (single-block segments; see ``Chain.segment_bytes``)."""
+    return [chain.segment_bytes(k - 1, k) if k else int(chain.x_bytes[0]) + int(chain.ckpt_state_bytes) for k in range(chain.n + 1)]
+
+
 def _peak_ways(chain: Chain, variants: list[list[_Variant]]) -> list[list[tuple[tuple[str, ...] | None, int, int, int]]]:
     """Per block, per way of keeping it: (sub-modules, S, peak when kept before more blocks, peak as the last)."""
     out = []
@@ -528,13 +499,14 @@ def _peak_table(
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """``P[s, t]``: the least chain peak of running ``s..t`` above its entry level, and ``nosave``."""
     n = chain.n
-    x = np.asarray(chain.x_bytes, dtype=np.int64) + int(chain.ckpt_state_bytes)  # what a checkpoint holds
+    x = np.asarray(_held(chain), dtype=np.int64)  # what a checkpoint holds
     ways = _peak_ways(chain, variants)
     nosave = np.zeros((n + 1, n + 1), dtype=np.int64)  # nosave[s, k] for s < k
     for s in range(n):
         running = int(chain.fwd_peak_bytes[s])
         for k in range(s + 1, n + 1):
-            nosave[s, k] = running + int(chain.ckpt_state_bytes)
+            blocked = not all(chain.recomputable[s:k])
+            nosave[s, k] = _BIG if blocked else running + int(chain.ckpt_state_bytes)
             if k < n:
                 running = max(running, int(chain.fwd_peak_bytes[k]) + int(chain.x_bytes[k]))
     peak = np.zeros((n + 1, n + 1), dtype=np.int64)
@@ -566,7 +538,7 @@ def min_peak_plan(chain: Chain, *, nested: bool = True, sub_costs: SubCosts | No
     peak, nosave = _peak_table(chain, nested, variants)
     ways = _peak_ways(chain, variants)
     n = chain.n
-    x = [int(v) + int(chain.ckpt_state_bytes) for v in chain.x_bytes]  # what a checkpoint holds
+    x = _held(chain)  # what a checkpoint holds
 
     def build(s: int, t: int) -> tuple[Op, ...]:
         ops: list[Op] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 import logging
 import time
 import weakref
@@ -11,15 +12,18 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from remat.apply.runtime import _extra_args, install, same_args, uninstall
+from remat.apply.runtime import install, uninstall
 from remat.blocks import Block, fingerprint, resolve
 from remat.blocks import blocks as find_blocks
 from remat.errors import BlockSelectionError, RematError
 from remat.measure.trace import (
     MemoryTrace,
+    call_model,
+    live_allocations,
     device_of,
     held_bytes,
     mark,
@@ -54,6 +58,15 @@ def _storages(obj: Any, exclude: set[int]) -> dict[int, int]:
     return out
 
 
+def _plain_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    # Buffers other than the running statistics of norms, which remat restores around recomputation.
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, _NormBase):
+            continue
+        for name, buf in sub.named_buffers(recurse=False):
+            yield (f"{prefix}.{name}" if prefix else name), buf
+
+
 class _Probe:
     """Hooks on blocks and sub-modules that report forward/backward boundaries and saved tensors."""
 
@@ -71,11 +84,16 @@ class _Probe:
         self.outputs: list[dict[int, int]] = [{} for _ in range(n + m)]
         self.calls = [0] * n
         self.order: list[int] = []
-        self.chain = True
-        # The previous block's output and other arguments, held (not ids) so nothing is mistaken for them.
-        self._last_out: weakref.ref[torch.Tensor] | None = None
-        self._last_version = -1
-        self._last_extra: tuple[Any, ...] | None = None
+        # Links between blocks (BlockProfile.linked): the previous block's output tensors (weakly, with
+        # their versions) and the storages that existed before the previous block started.
+        self.linked = [True] * n
+        self._prev_outs: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        self._prev_inputs: set[int] = set()
+        self._seen: set[int] = set()
+        self._seen_before_prev: set[int] = set()
+        # Stateful forwards (BlockProfile.stateful): buffers before each block's forward.
+        self.stateful: list[tuple[str, ...]] = [()] * n
+        self._buffers_before: dict[int, dict[str, tuple[torch.Tensor, int, torch.Tensor]]] = {}
         self._active: list[int] = []
         self._fired: set[tuple[str, int]] = set()
         self.handles: list[Any] = []
@@ -98,19 +116,8 @@ class _Probe:
             if kind == "F":
                 self.calls[index] += 1
                 self.order.append(index)
-                first = args[0] if args else None
-                # A chain (NOTE [ Spans ]): each block takes the previous block's output first and the
-                # very same other arguments; otherwise segments of several blocks would compute wrongly.
-                extra = _extra_args(args, kwargs)
-                if index > 0 and not (
-                    isinstance(first, torch.Tensor)
-                    and self._last_out is not None
-                    and first is self._last_out()
-                    and first._version == self._last_version
-                    and same_args(self._last_extra, extra)
-                ):
-                    self.chain = False
-                self._last_extra = extra
+                if self.track:
+                    self._link(index, args, kwargs)
                 for t in tree_leaves((args, kwargs)):
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         self.tensor_handles.append(t.register_hook(self._once("b", index)))
@@ -124,12 +131,58 @@ class _Probe:
             if self._active and self._active[-1] == slot:
                 self._active.pop()
             if kind == "f":
-                self._last_out = weakref.ref(out) if isinstance(out, torch.Tensor) else None
-                self._last_version = out._version if isinstance(out, torch.Tensor) else -1
+                self._prev_outs = [(weakref.ref(t), t._version) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+                if self.track:
+                    self._seen |= set(self.outputs[slot])
                 for t in tree_leaves(out):
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         self.tensor_handles.append(t.register_hook(self._once("B", index)))
             self.callback(kind, index)
+
+        return hook
+
+    def _link(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # Block k's inputs are linked if each is one of block k-1's outputs, unchanged, or a tensor
+        # whose storage existed before block k-1 started (a mask, rotary tables, a bias an earlier
+        # block made): a segment across the boundary then holds nothing that is not held anyway.
+        ok = True
+        if index:
+            allowed = self._seen_before_prev | self._prev_inputs
+            outs = {id(r()): v for r, v in self._prev_outs if r() is not None}
+            for t in tree_leaves((args, kwargs)):
+                if not isinstance(t, torch.Tensor) or (id(t) in outs and outs[id(t)] == t._version):
+                    continue
+                try:
+                    ptr = t.untyped_storage().data_ptr()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if ptr not in allowed and ptr not in self.params:
+                    ok = False
+        self.linked[index] = ok
+        self._seen_before_prev = set(self._seen)
+        mine = set(_storages((args, kwargs), self.params))
+        self._prev_inputs = mine
+        self._seen |= mine
+
+    def _buffer_pre(self, index: int) -> Callable[..., None]:
+        def hook(_mod: nn.Module, _args: Any) -> None:
+            snap: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
+            for mod in self.members[index]:
+                for name, buf in _plain_buffers(mod):
+                    snap[f"{id(mod)}:{name}"] = (buf, buf._version, buf.detach().clone())
+            self._buffers_before[index] = snap
+
+        return hook
+
+    def _buffer_post(self, index: int) -> Callable[..., None]:
+        def hook(_mod: nn.Module, _args: Any, _out: Any) -> None:
+            snap = self._buffers_before.pop(index, {})
+            names = {f"{id(mod)}:{name}": name for mod in self.members[index] for name, _ in _plain_buffers(mod)}
+            changed = [
+                names.get(key, key) for key, (buf, version, copy) in snap.items() if buf._version != version or not torch.equal(buf, copy)
+            ]
+            if changed:
+                self.stateful[index] = tuple(changed)
 
         return hook
 
@@ -151,6 +204,11 @@ class _Probe:
         for i, mods in enumerate(self.members):
             self.handles.append(mods[0].register_forward_pre_hook(self._pre(i, "F", i), with_kwargs=True))
             self.handles.append(mods[-1].register_forward_hook(self._post(i, "f", i), with_kwargs=True))
+        if self.track:
+            for i, mods in enumerate(self.members):
+                # First of all pre-hooks: a hook may update state too (spectral norm's power iteration).
+                self.handles.append(mods[0].register_forward_pre_hook(self._buffer_pre(i), prepend=True))
+                self.handles.append(mods[-1].register_forward_hook(self._buffer_post(i)))
         for j, sub in enumerate(self.subs):
             self.handles.append(sub.register_forward_pre_hook(self._pre(n + j, "S", j), with_kwargs=True))
             self.handles.append(sub.register_forward_hook(self._post(n + j, "s", j), with_kwargs=True))
@@ -159,7 +217,8 @@ class _Probe:
             with ctx:
                 yield self
         finally:
-            self._last_out, self._last_extra = None, None
+            self._prev_outs = []
+            self._buffers_before.clear()
             for h in (*self.handles, *self.tensor_handles):
                 h.remove()
             self.handles.clear()
@@ -221,7 +280,8 @@ def _timed_step(
             torch.cuda.synchronize(dev)
         events.append((kind, i, time.perf_counter_ns()))
 
-    touched = install(model, ops, members, [b.fqns for b in block_list])
+    # Stateful blocks are timed too (their state is put back by ``preserved``); plans keep them.
+    touched = install(model, ops, members, [b.fqns for b in block_list], allow_stateful=True)
     try:
         with probe(model, block_list, clock):
             zero_grads(model)
@@ -296,11 +356,16 @@ def profile(
         with probe(model, block_list, lambda kind, i: mark(f"{kind}{i}"), track=True) as tracked:
             trace = record_memory(step, dev)
         _check_order(tracked.calls, tracked.order, block_list)
+        pinned = _pinned(model, inputs, loss_fn, block_list, dev)
+        gaps = _gaps(trace, n)
+        # Scalars a forward caches (a few bytes) do not make a model less of a chain.
+        slack = [max(1024, sum(tracked.outputs[i].values()) // 100) for i in range(n)]
+        chain = all(tracked.linked[1:]) and all(max(0, gaps[i]) + sum(pinned[i]) <= slack[i] for i in range(n - 1))
 
         # Times: wall clock at each boundary, median over repeats, for the plain model and (NOTE
         # [ Measured checkpoint costs ]) with every block, every attention, every FFN checkpointed,
         # interleaved so that drifts of the machine hit every configuration alike.
-        configs = _timing_configs(block_list, chain=tracked.chain)
+        configs = _timing_configs(block_list, chain=chain)
         members = resolve(model, block_list)
         runs: dict[str, list[list[tuple[str, int, int]]]] = {name: [] for name in configs}
         step_ms: list[float] = []
@@ -321,7 +386,71 @@ def profile(
                 train_step(model, inputs, loss_fn)
             flop_events.append(("end", 0, counter.get_total_flops()))
 
-    return _assemble(model, block_list, tracked, trace, runs, step_ms, _times(flop_events), held, dev, n)
+    prof = _assemble(model, block_list, tracked, trace, runs, step_ms, _times(flop_events), held, dev, n)
+    bps = tuple(
+        replace(bp, gap_bytes=gaps[i], pinned_bytes=pinned[i][0], pinned_out_bytes=pinned[i][1])
+        for i, bp in enumerate(prof.block_profiles)
+    )
+    return replace(prof, block_profiles=bps, is_chain=chain)
+
+
+# NOTE [ What stays alive anyway ]
+# A segment drops what autograd saves inside it, but not what the model or the user holds: hidden
+# states collected in a list, features a hook keeps, a cache. The profile runs one forward (and the
+# loss) with a saved-tensor hook that keeps nothing, under the torch profiler, and reads which
+# allocations made inside each block's forward are still alive when the loss is computed: those are
+# held whatever the plan (``pinned_bytes``; ``pinned_out_bytes`` for the block's outputs), so the
+# chain model charges them to segments too (NOTE [ Chain cost model ] in ``remat.plan.chain``).
+
+
+def _pinned(
+    model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor], block_list: Sequence[Block], dev: torch.device
+) -> list[tuple[int, int]]:
+    members = resolve(model, block_list)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    outs: list[set[int]] = [set() for _ in block_list]
+    handles = []
+    for i, mods in enumerate(members):
+        handles.append(mods[0].register_forward_pre_hook(lambda _m, _a, i=i: mark(f"P{i}")))
+
+        def post(_m: nn.Module, _a: Any, out: Any, i: int = i) -> None:
+            outs[i].update(_storages(out, params))
+            mark(f"p{i}")
+
+        handles.append(mods[-1].register_forward_hook(post))
+
+    def forward() -> None:
+        with torch.autograd.graph.saved_tensors_hooks(lambda _t: None, lambda _p: None):
+            out = call_model(model, inputs)
+            loss = loss_fn(out)
+            mark("loss")
+            del out, loss
+
+    try:
+        live, times = live_allocations(forward, dev, "loss")
+    finally:
+        for h in handles:
+            h.remove()
+    spans = [(times.get(f"P{i}", -1), times.get(f"p{i}", -1)) for i in range(len(block_list))]
+    result = [[0, 0] for _ in block_list]
+    for ptr, (size, t) in live.items():
+        for i, (a, b) in enumerate(spans):
+            if a <= t <= b:
+                result[i][1 if ptr in outs[i] else 0] += size
+                break
+    return [(a, b) for a, b in result]
+
+
+def _gaps(trace: MemoryTrace, n: int) -> list[int]:
+    """Level change from the end of each block's forward to the start of the next (0 for the last)."""
+    marks = {name: ts[0] for name, ts in trace.mark_times().items()}
+    out = []
+    for i in range(n):
+        if i + 1 < n and f"f{i}" in marks and f"F{i + 1}" in marks:
+            out.append(trace.level_at(marks[f"F{i + 1}"]) - trace.level_at(marks[f"f{i}"]))
+        else:
+            out.append(0)
+    return out
 
 
 def _check_order(calls: list[int], order: list[int], block_list: Sequence[Block]) -> None:
@@ -384,7 +513,11 @@ def _assemble(
     profiles = []
     for i, b in enumerate(block_list):
         f0, f1 = mt("F", i), mt("f", i)
-        b0, b1 = mt("B", i), mt("b", i, end)
+        # A block whose output needs no gradient (frozen, LoRA-style) has no backward: a zero-length
+        # one where the next block's backward ends (or the step ends).
+        no_bwd = next((marks[k] for k in (f"b{j}" for j in range(i + 1, n)) if k in marks), end)
+        b0 = mt("B", i, no_bwd)
+        b1 = mt("b", i, b0 if f"B{i}" not in marks else end)
         l_f0 = trace.level_at(f0)
         plain_ms = block_ms(i, "plain")
         subs = []
@@ -425,9 +558,13 @@ def _assemble(
                 bwd_flops=fl(("B", i), ("b", i)),
                 subs=tuple(subs),
                 output_saved_bytes=sum(v for k, v in tracked.outputs[i].items() if k in tracked.saved[i]),
+                own_output_bytes=sum(v for k, v in tracked.outputs[i].items() if k not in tracked.inputs[i]),
+                linked=tracked.linked[i],
+                stateful=tracked.stateful[i],
             )
         )
-    start0, last_end, last_bwd = mt("F", 0), mt("f", n - 1), mt("B", n - 1)
+    start0, last_end = mt("F", 0), mt("f", n - 1)
+    last_bwd = mt("B", n - 1, mt("b", n - 1, end))
     base = trace.level_at(start0)
     tail_start = mt("b", 0, end)
     return Profile(
@@ -436,13 +573,13 @@ def _assemble(
         blocks=tuple(block_list),
         block_profiles=tuple(profiles),
         fingerprint=fingerprint(model, block_list),
-        is_chain=tracked.chain,
+        is_chain=True,  # set by profile() from the links, gaps and pinned bytes
         held_bytes=held,
         peak_bytes=trace.peak_bytes,
         step_ms=median(step_ms),
         base_bytes=base,
         pre_peak_bytes=trace.peak_between(0, start0),
-        head_input_bytes=profiles[-1].output_bytes,
+        head_input_bytes=profiles[-1].own_output_bytes,
         head_peak_bytes=trace.peak_between(last_end, last_bwd) - trace.level_at(last_end),
         head_ms=ms(("f", n - 1), ("B", n - 1)),
         tail_peak_bytes=max(0, trace.peak_between(tail_start, end) - base),

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from remat._json import load
+from remat._json import Reader, load
 from remat.blocks import Block
 from remat.plan.chain import Chain
-from remat.plan.types import block_from_json, block_to_json
+from remat.plan.types import block_to_json
 
 __all__ = ["BlockProfile", "SubProfile", "Profile"]
 
@@ -55,6 +55,19 @@ class BlockProfile:
             final ReLU's result); the rest is not held when the block ends a recomputed region.
         ckpt_fwd_ms: Measured cost of its no-save forward under a checkpoint, every overhead of
             checkpointing it included (so checkpointing it costs this on top of a plain step), ms.
+        own_output_bytes: Bytes of its outputs that are not its inputs passed through (what a segment
+            ending with it leaves for the blocks after it).
+        gap_bytes: Level change after its forward and before the next block starts (code between
+            blocks), bytes; 0 for the last block.
+        pinned_bytes: Bytes allocated in its forward, its outputs excluded, that stay alive when
+            autograd saves nothing (held by the model or a hook), bytes.
+        pinned_out_bytes: Bytes of its outputs that stay alive when autograd saves nothing (hidden
+            states the model collects), bytes.
+        linked: Whether its tensor inputs are the previous block's outputs or tensors that existed
+            before the previous block started (then a segment across the boundary holds nothing
+            more; always ``True`` for block 0).
+        stateful: Buffers its forward updates in place, other than BatchNorm's running statistics
+            (a stateful forward: the planner keeps such a block; NOTE [ State under recomputation ]).
     """
 
     input_bytes: int
@@ -70,6 +83,22 @@ class BlockProfile:
     subs: tuple[SubProfile, ...] = ()
     output_saved_bytes: int = 0
     ckpt_fwd_ms: float = 0.0
+    own_output_bytes: int = -1
+    gap_bytes: int = 0
+    pinned_bytes: int = 0
+    pinned_out_bytes: int = 0
+    linked: bool = True
+    stateful: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.own_output_bytes < 0:  # profiles written before the field existed
+            object.__setattr__(self, "own_output_bytes", self.output_bytes)
+
+    @property
+    def chainable(self) -> bool:
+        """Whether a segment may go on past this block to the next one holding nothing more."""
+        slack = max(1024, self.output_bytes // 100)  # a cached scalar does not count
+        return max(0, self.gap_bytes) + self.pinned_bytes + self.pinned_out_bytes <= slack
 
     @property
     def fwd_transient_bytes(self) -> int:
@@ -87,8 +116,11 @@ class Profile:
         blocks: The blocks measured.
         block_profiles: Their figures, one per block.
         fingerprint: Hash of the blocks' names, classes and parameter shapes.
-        is_chain: Whether each block's first input is the previous block's output (then segments
-            of several blocks can share one checkpoint).
+        is_chain: Whether a segment of several blocks holds nothing beyond its input and output: every
+            block's inputs are linked to the previous block (``BlockProfile.linked``) and nothing is
+            added or kept alive between blocks (``BlockProfile.chainable``). Segments run correctly on
+            any model (NOTE [ Spans ]); this only tells the solvers where they cost what the chain model
+            says, so they plan multi-block segments only then.
         held_bytes: Memory held before the step (parameters, gradients, buffers, inputs), bytes.
         peak_bytes: Peak of the plain step above the held memory, bytes (the unplanned peak).
         step_ms: Median time of a plain step, milliseconds.
@@ -129,7 +161,9 @@ class Profile:
         return Chain(
             fwd_ms=tuple(b.fwd_ms for b in bps) + (self.head_ms,),
             bwd_ms=tuple(b.bwd_ms for b in bps) + (0.0,),
-            x_bytes=tuple(b.input_bytes for b in bps) + (self.head_input_bytes,),
+            # What a segment ending before block k leaves: block k-1's own output (arguments every block
+            # receives, a mask, rotary tables, are held before block 0 and counted once, in base_bytes).
+            x_bytes=(bps[0].input_bytes, *(b.own_output_bytes for b in bps[:-1]), self.head_input_bytes),
             keep_bytes=tuple(b.keep_bytes for b in bps) + (0,),
             fwd_peak_bytes=tuple(b.fwd_peak_bytes for b in bps) + (self.head_peak_bytes,),
             bwd_peak_bytes=tuple(b.bwd_peak_bytes for b in bps) + (0,),
@@ -140,6 +174,10 @@ class Profile:
             ckpt_fwd_ms=tuple(max(b.ckpt_fwd_ms, b.fwd_ms) for b in bps) + (self.head_ms,),
             ckpt_call_ms=self.ckpt_call_ms,
             ckpt_state_bytes=self.ckpt_state_bytes,
+            gap_bytes=tuple(b.gap_bytes for b in bps) + (0,),
+            pinned_bytes=tuple(b.pinned_bytes for b in bps) + (0,),
+            pinned_out_bytes=tuple(b.pinned_out_bytes for b in bps) + (0,),
+            recomputable=tuple(not b.stateful for b in bps) + (True,),
         )
 
     def sub_costs(self) -> dict[tuple[int, tuple[str, ...]], tuple[int, float]]:
@@ -164,15 +202,20 @@ class Profile:
 
     @classmethod
     def from_json(cls, text: str) -> Profile:
-        """Read a profile written by :meth:`to_json`.
+        """Read a profile written by :meth:`to_json` (NOTE [ One loading policy ] in ``remat._json``).
+
+        Built from the dataclasses' own fields: a field with a default that the file lacks takes the
+        default (files written before it was added still load); unknown keys are ignored with a warning.
 
         Raises:
-            RematError: If the text is not a profile of this schema version.
+            RematError: If the text is not a profile of this schema version, lacks a required field,
+                mistypes one, or its blocks and block figures do not match one to one, in order.
         """
-        data: dict[str, Any] = load(text, "profile", cls.schema_version)
-        data.pop("schema_version")
-        data["blocks"] = tuple(block_from_json(b) for b in data["blocks"])
-        data["block_profiles"] = tuple(
-            BlockProfile(**{**bp, "subs": tuple(SubProfile(**s) for s in bp.get("subs", ()))}) for bp in data["block_profiles"]
-        )
-        return cls(**data)
+        reader = Reader("profile", "profile the model again: remat.profile(...).to_json() or `remat profile MODEL --out profile.json`")
+        prof = reader.build(cls, load(text, reader, cls.schema_version))
+        if len(prof.block_profiles) != len(prof.blocks):
+            raise reader.error("block_profiles", f"has {len(prof.block_profiles)} entries for {len(prof.blocks)} blocks, expected one per block")
+        for i, b in enumerate(prof.blocks):
+            if b.index != i:
+                raise reader.error(f"blocks[{i}].index", f"is {b.index}, expected {i} (blocks are listed in forward order from 0)")
+        return prof
