@@ -1,0 +1,101 @@
+"""Worker for tests/distributed: DDP or FSDP2 (gloo, 2 processes on 127.0.0.1), 2 steps with and without remat."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import remat
+from remat.plan.chain import Keep, Recompute
+from remat.plan.types import Plan
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x)))))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 32, n: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, d)
+        self.layers = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def run(kind: str, use_remat: bool, rank: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = Net()
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        inner = model
+        wrapped: nn.Module = DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        inner = wrapped = model
+    if use_remat:
+        blocks = remat.blocks(inner)
+        # A multi-block, nested plan: segments of three and two blocks, one nested inside.
+        ops = (
+            Recompute(0, 3, (Recompute(0, 2, (Keep(0), Keep(1))), Keep(2))),
+            Recompute(3, 5, (Keep(3), Keep(4))),
+            Keep(5),
+        )
+        remat.apply(inner, Plan("multi-block", blocks, ops))
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    torch.manual_seed(1 + rank)
+    for _ in range(2):
+        x = torch.randn(16, 8)
+        opt.zero_grad()
+        wrapped(x).pow(2).mean().backward()
+        opt.step()
+    out = []
+    for p in wrapped.parameters():
+        t = p.detach()
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        out.append(t.clone())
+    return out
+
+
+def main() -> int:
+    kind, rank, world, port, out_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        plain = run(kind, False, rank)
+        ckpt = run(kind, True, rank)
+        equal = len(plain) == len(ckpt) and all(torch.equal(a, b) for a, b in zip(plain, ckpt))
+        with open(out_path, "w") as f:
+            f.write("equal" if equal else "different")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
