@@ -1,21 +1,25 @@
-"""remat.blocks: default detection, selectors, named blocks and their errors, type hints."""
+"""remat.blocks: default detection (every stack), selectors, named blocks and their errors, type hints,
+attention and FFN sub-modules found by structure."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 import remat
 from remat.blocks import LayerType, fingerprint
 from remat.errors import BlockSelectionError
 from remat.models import gpt, mlp_chain, resnet, unet
+from remat.plan.chain import Keep, RecomputeSub
 
 
 def names(block_list: tuple[remat.Block, ...]) -> list[str]:
     return [b.name for b in block_list]
 
 
-def test_default_blocks_are_the_longest_run_of_repeated_children() -> None:
+def test_default_blocks_are_the_repeated_layers() -> None:
     assert names(remat.blocks(gpt(vocab_size=16, d_model=8, n_heads=2, n_layers=3, seq_len=4))) == ["blocks.0", "blocks.1", "blocks.2"]
     assert names(remat.blocks(resnet(layers=(1, 1, 1)))) == ["layer1", "layer2", "layer3"]
     assert names(remat.blocks(mlp_chain(widths=(4, 8, 6, 4)))) == ["0", "1", "2"]
@@ -24,18 +28,117 @@ def test_default_blocks_are_the_longest_run_of_repeated_children() -> None:
     assert names(remat.blocks(seq)) == ["0", "1", "2"]
 
 
-def test_default_prefers_runs_that_cover_the_model() -> None:
-    # ResNet-50's stages have 3/4/6/3 bottlenecks: the 4 stages, not the 5 look-alike blocks of layer3.
+def tower(n: int) -> nn.TransformerEncoder:
+    return nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32), n, enable_nested_tensor=False)
+
+
+class TwoTowers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = tower(4)
+        self.decoder = tower(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encoder(x))
+
+
+def test_default_takes_every_stack_in_forward_order() -> None:
+    # The two towers are a run of two, but the layers inside them hold all their weights: the layers of
+    # both, each once (not the towers as well).
+    assert names(remat.blocks(TwoTowers())) == [f"encoder.layers.{i}" for i in range(4)] + [
+        f"decoder.layers.{i}" for i in range(3)
+    ]
+    # A U-Net's down path, then its up path (the bottleneck between them is no stack).
+    assert names(remat.blocks(unet())) == ["downs.0", "downs.1", "downs.2", "ups.0", "ups.1", "ups.2"]
+    # ResNet-50's stages have 3/4/6/3 bottlenecks, the first of each unlike the others: the 4 stages,
+    # not the look-alike bottlenecks that leave each stage's first one out.
     assert names(remat.blocks(resnet(block="bottleneck", layers=(3, 4, 6, 3)))) == ["layer1", "layer2", "layer3", "layer4"]
 
-    class TwoTowers(nn.Module):
+
+class VisionText(nn.Module):
+    """Registers the text tower first but runs the vision tower first (as CLIP)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = tower(2)
+        self.vision = tower(2)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, tokens: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
+        image = self._encode(patches)
+        return self.head(self.text(tokens).mean(1) + image.mean(1))
+
+    def _encode(self, patches: torch.Tensor) -> torch.Tensor:
+        return self.vision(patches)
+
+
+class Unread(VisionText):
+    """The same towers, reached through getattr: the forward does not name them."""
+
+    def forward(self, tokens: torch.Tensor, patches: torch.Tensor) -> torch.Tensor:
+        vision, text = (getattr(self, name) for name in ("vision", "text"))
+        return self.head(text(tokens).mean(1) + vision(patches).mean(1))
+
+
+def test_stacks_are_ordered_by_where_the_forward_calls_them() -> None:
+    # Read from the source (through the helper method), not by running the model.
+    model = VisionText()
+    found = remat.blocks(model)
+    assert names(found) == ["vision.layers.0", "vision.layers.1", "text.layers.0", "text.layers.1"]
+    # That is the order the forward really calls them in; remat.profile checks it on a real batch.
+    ran: list[str] = []
+    for b in found:
+        model.get_submodule(b.name).register_forward_pre_hook(lambda m, a, name=b.name: ran.append(name))
+    model(torch.randn(2, 3, 16), torch.randn(2, 5, 16))
+    assert ran == names(found)
+    # A forward that does not name every stack leaves them in registration order.
+    assert names(remat.blocks(Unread())) == ["text.layers.0", "text.layers.1", "vision.layers.0", "vision.layers.1"]
+
+
+class Dense(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Experts(nn.Module):
+    """A MoE layer: a router and four expert MLPs, each called only for its tokens."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, 4)
+        self.experts = nn.ModuleList(Dense(d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pick = self.router(x).argmax(-1)
+        return sum((torch.where((pick == i)[..., None], e(x), 0) for i, e in enumerate(self.experts)), x)
+
+
+def test_tiny_stacks_and_stacks_inside_layers_are_not_taken() -> None:
+    model = nn.Sequential()
+    model.add_module("emb", nn.ModuleList([nn.Embedding(10, 64), nn.Embedding(10, 64)]))  # a run of leaves
+    model.add_module("stem", nn.Sequential(Dense(2), Dense(2)))  # a stack holding 0.1% of the weights
+    model.add_module("layers", nn.ModuleList([Dense(64), Dense(64), Experts(64)]))
+    # The MoE layer beside the dense ones is a layer: its experts are not a stack of their own.
+    assert names(remat.blocks(model)) == ["layers.0", "layers.1"]
+
+
+def test_leaf_runs_are_blocks_only_in_a_sequential() -> None:
+    # The q, k, v projections of a layer are no chain; without any stack, the root's children.
+    class Shared(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2), 4, enable_nested_tensor=False)
-            self.decoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2), 4, enable_nested_tensor=False)
+            self.embed = nn.Linear(4, 8)
+            self.layer = nn.MultiheadAttention(8, 2)
+            self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
 
-    # 4 layers covering half the model beat 2 towers covering all of it.
-    assert names(remat.blocks(TwoTowers())) == [f"encoder.layers.{i}" for i in range(4)]
+    assert names(remat.blocks(Shared())) == ["embed", "layer", "q", "k", "v"]
+    assert names(remat.blocks(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)))) == ["0", "1", "2"]
 
 
 def test_default_needs_something_to_choose() -> None:
@@ -112,8 +215,6 @@ def test_type_hints() -> None:
         "blocks.0.ln2": LayerType.NORM,
         "blocks.0.mlp": LayerType.FFN,
     }
-    # Two runs of 3 (encoder downs, decoder ups): the one covering more parameters wins.
-    assert names(remat.blocks(unet())) == ["ups.0", "ups.1", "ups.2"]
     assert names(remat.blocks(gpt(vocab_size=16, d_model=8, n_heads=2, n_layers=2, seq_len=4))) == ["blocks.0", "blocks.1"]
 
 
@@ -123,3 +224,184 @@ def test_fingerprint_tracks_shapes() -> None:
     c = mlp_chain(widths=(4, 9, 4))
     assert fingerprint(a, remat.blocks(a)) == fingerprint(b, remat.blocks(b))
     assert fingerprint(a, remat.blocks(a)) != fingerprint(c, remat.blocks(c))
+
+
+# Attention and FFN by structure (NOTE [ Attention and FFN by structure ]): the names below lie on purpose.
+
+
+class Scale(nn.Module):
+    """A per-channel norm of a library's own (an RMSNorm without the mean): a norm, never attention."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Mixer(nn.Module):
+    """Attention with four projections of one width and a softmax, named like nothing."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = (self.a(x) @ self.b(x).transpose(-1, -2) / x.size(-1) ** 0.5).softmax(-1)
+        return self.d(weights @ self.c(x))
+
+
+class Widen(nn.Module):
+    """A feed-forward d -> 3d -> d whose activation is a function call: 3d is not a fused q, k, v."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 3 * d)
+        self.down = nn.Linear(3 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Misnamed(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.attn_norm = Scale(d)
+        self.mlp = Mixer(d)
+        self.post_attention_norm = Scale(d)
+        self.attn = Widen(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mlp(self.attn_norm(x))
+        return x + self.attn(self.post_attention_norm(x))
+
+
+class Up(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(d, 4 * d)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class Down(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(4 * d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.dense(x) + residual)
+
+
+class Wrapped(nn.Module):
+    """An FFN module inside a wrapper that adds a norm and the residual (as T5's layer.1)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = Scale(d)
+        self.inner = Widen(d)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.inner(self.norm(x)))
+
+
+class Bank(nn.Module):
+    """Stacked expert weights (one slice per expert) with a router: a mixture of experts."""
+
+    def __init__(self, d: int, n: int = 3) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, n)
+        self.experts = nn.Module()
+        self.experts.up = nn.Parameter(torch.randn(n, d, 2 * d) / d**0.5)
+        self.experts.down = nn.Parameter(torch.randn(n, 2 * d, d) / d**0.5)
+        self.experts.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.router(x).softmax(-1)  # [B, T, n]
+        e = self.experts
+        h = e.act(torch.einsum("btd,ndh->btnh", x, e.up))
+        return torch.einsum("btnh,nhd,btn->btd", h, e.down, w)
+
+
+class Mixed(nn.Module):
+    """Attention, an FFN split over two siblings (as BERT's intermediate and output), a wrapped FFN and experts."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.intermediate = Up(d)
+        self.output = Down(d)
+        self.wrapped = Wrapped(d)
+        self.moe = Bank(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Key and value are other tensors than the query: a checkpointed nn.MultiheadAttention called as
+        # attention(x, x, x) does not replay yet (the replay loses the aliasing that picks torch's path).
+        x = x + self.attention(x, 0.5 * x, 2.0 * x, need_weights=False)[0]
+        x = self.output(self.intermediate(x), x)
+        return self.moe(self.wrapped(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, layer: type[nn.Module], n: int, d: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layer(d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def layers_of(layer: type[nn.Module], n: int = 2, d: int = 8) -> nn.Module:
+    return Stack(layer, n, d)
+
+
+def test_attention_and_ffn_are_found_by_structure_not_names() -> None:
+    found = remat.blocks(layers_of(Misnamed))
+    assert [(b.type_hint, b.attention_fqns, b.ffn_fqns) for b in found] == [
+        (LayerType.OTHER, (f"layers.{i}.mlp",), (f"layers.{i}.attn",)) for i in range(2)
+    ]
+    # A norm is never attention, whatever it is called; the modules alone get their own hints.
+    hints = {b.name: b.type_hint for b in remat.blocks(layers_of(Misnamed), include="layers.0.*")}
+    assert hints == {
+        "layers.0.attn_norm": LayerType.NORM,
+        "layers.0.mlp": LayerType.ATTENTION,
+        "layers.0.post_attention_norm": LayerType.NORM,
+        "layers.0.attn": LayerType.FFN,
+    }
+
+
+def test_split_wrapped_and_expert_ffns() -> None:
+    (first, _) = remat.blocks(layers_of(Mixed))
+    assert first.attention_fqns == ("layers.0.attention",)
+    # Two siblings that only together hold the up and down projections; the FFN inside the wrapper,
+    # without its norm; the mixture of experts whole, with its router.
+    assert first.ffn_fqns == ("layers.0.intermediate", "layers.0.output", "layers.0.wrapped.inner", "layers.0.moe")
+
+
+def test_transformer_encoder_layer_has_no_ffn_module() -> None:
+    # linear1 / dropout / linear2 are leaves called from a method: checkpointing them one by one frees
+    # nothing, so no FFN sub-module is reported; the layer is still a mixed one, not an attention block.
+    model = tower(2)
+    assert [(b.name, b.type_hint, b.attention_fqns, b.ffn_fqns) for b in remat.blocks(model)] == [
+        (f"layers.{i}", LayerType.OTHER, (f"layers.{i}.self_attn",), ()) for i in range(2)
+    ]
+    assert [type(op) for op in remat.ffn_only().ops(remat.blocks(model))] == [Keep, Keep]
+
+
+@pytest.mark.parametrize("layer", [Misnamed, Mixed])
+def test_attention_and_ffn_checkpointing_is_exact(layer: type[nn.Module]) -> None:
+    torch.manual_seed(0)
+    model = layers_of(layer, d=8)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    found = remat.blocks(model)
+    for strategy in (remat.ffn_only(), remat.attention_only()):
+        ops = strategy.ops(found)
+        assert all(isinstance(op, RecomputeSub) for op in ops), ops
+        assert remat.check_gradients(model, strategy, x, lambda out: out.square().mean()).equal

@@ -7,13 +7,20 @@ and output are kept and whose inside is recomputed.
 
 from __future__ import annotations
 
+import ast
 import difflib
 import fnmatch
 import hashlib
+import inspect
+import textwrap
+import types
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from remat.errors import BlockSelectionError
@@ -24,7 +31,7 @@ ModuleFilter = Callable[[nn.Module, str], bool]
 
 
 class LayerType(str, Enum):
-    """A block's layer-type hint, inferred from its modules' classes and names."""
+    """A block's layer-type hint, inferred from its modules' structure (not their names)."""
 
     ATTENTION = "attention"
     FFN = "ffn"
@@ -42,8 +49,10 @@ class Block:
         fqns: Fully qualified names of its member modules: one, or a group of consecutive siblings.
         type_hint: Attention, FFN, Embedding, Norm or Other (a block mixing attention and FFN is Other).
         class_name: The member modules' class names joined by ``+``.
-        attention_fqns: Sub-modules inside the block that are attention (for ``attention_only``).
-        ffn_fqns: Sub-modules inside the block that are feed-forward (for ``ffn_only``).
+        attention_fqns: Sub-modules inside the block that are attention (for ``attention_only``), found
+            by structure (NOTE [ Attention and FFN by structure ]).
+        ffn_fqns: Sub-modules inside the block that are feed-forward (for ``ffn_only``); several when
+            the FFN is split over consecutive siblings (BERT's ``intermediate`` and ``output``).
         param_bytes: Bytes of the block's parameters.
     """
 
@@ -61,29 +70,349 @@ class Block:
         return self.fqns[0] if len(self.fqns) == 1 else f"{self.fqns[0]}..{self.fqns[-1]}"
 
 
-_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+_NORMS = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.LocalResponseNorm,
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+)
 _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # no forward of their own: never a block or a sub-module
+_SOFTMAX = (nn.Softmax, nn.Softmin, nn.Softmax2d, nn.LogSoftmax)
 _PLAIN_FFN = (nn.Linear, nn.Dropout, nn.Identity, *_NORMS)
-_ATTN_WORDS = ("attention", "attn")
-_FFN_WORDS = ("mlp", "ffn", "feedforward", "feed_forward")
+# A block holding these besides its FFN is not only an FFN (ConvNeXt: a depthwise conv, then an MLP).
+_MIXERS = (nn.modules.conv._ConvNd, *_EMBEDDINGS)
+
+# Functional activations (F.gelu, torch.tanh ...): the torch.nn.functional names of torch's activation
+# modules, softmax and attention excepted.
+_ACTIVATION_CALLS = frozenset(
+    name
+    for name in dir(F)
+    if name.replace("_", "") in {c.lower() for c in nn.modules.activation.__all__}
+    and name.replace("_", "") not in {"multiheadattention", "softmax", "softmin", "softmax2d", "logsoftmax"}
+)
+# Parts of a name that say it applies an activation (GeLUFunction, quick_gelu): whole words only for the
+# short and the generic ones.
+_ACTIVATION_WORDS = frozenset(n for n in _ACTIVATION_CALLS if len(n) >= 4 and "_" not in n) - {"threshold"}
+# What an attention forward calls or looks up for its core (HF transformers dispatches through
+# ALL_ATTENTION_FUNCTIONS, with eager_attention_forward as the fallback).
+_ATTENTION_CALLS = frozenset(
+    {
+        "softmax",
+        "scaled_dot_product_attention",
+        "flex_attention",
+        "flash_attn_func",
+        "flash_attn_varlen_func",
+        "ALL_ATTENTION_FUNCTIONS",
+        "eager_attention_forward",
+    }
+)
 
 
-def _local(fqn: str) -> str:
-    return fqn.rsplit(".", 1)[-1].lower()
-
-
-def _is_attention(module: nn.Module, fqn: str) -> bool:
-    cls = type(module).__name__.lower()
-    return isinstance(module, nn.MultiheadAttention) or any(w in cls or w in _local(fqn) for w in _ATTN_WORDS)
-
-
-def _is_ffn(module: nn.Module, fqn: str) -> bool:
-    cls = type(module).__name__.lower()
-    return any(w in cls or w in _local(fqn) for w in _FFN_WORDS)
+def _has_children(module: nn.Module) -> bool:
+    return next(module.children(), None) is not None
 
 
 def _is_activation(module: nn.Module) -> bool:
-    return type(module).__module__ == "torch.nn.modules.activation" and not isinstance(module, nn.MultiheadAttention)
+    """A leaf activation: from torch's or a library's activation module (nn.GELU, HF's SiLUActivation), or a
+    parameter-free leaf whose forward applies one (BLOOM's BloomGelu calls ``GeLUFunction.apply``)."""
+    if isinstance(module, (nn.MultiheadAttention, *_SOFTMAX, nn.Dropout, nn.Identity)) or _has_children(module):
+        return False
+    where = type(module).__module__
+    if where == "torch.nn.modules.activation" or where.rsplit(".", 1)[-1] in ("activation", "activations"):
+        return True
+    return next(module.parameters(recurse=False), None) is None and any(
+        word in name.lower() for name in _source(type(module)).names for word in _ACTIVATION_WORDS
+    )
+
+
+def _calls_activation(cls: type) -> bool:
+    """Whether ``cls.forward`` calls an activation function (``F.gelu``, ``torch.tanh``, ``bloom_gelu_forward``)."""
+    return any(name in _ACTIVATION_CALLS or _ACTIVATION_CALLS.intersection(name.split("_")) for name in _source(cls).calls)
+
+
+def _expert_bank(module: nn.Module) -> bool:
+    """A mixture of experts' stacked weights: two or more 3-D parameters of one module, one slice per expert."""
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return False
+    experts = [p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3]
+    return len(experts) >= 2 and len(set(experts)) == 1
+
+
+def _widths(module: nn.Module) -> tuple[int, int] | None:
+    """(input, output) features of a linear projection, or None.
+
+    nn.Linear (and its subclasses), HF's ``Conv1D`` (a Linear with its weight transposed), or a
+    wrapper around one that keeps its widths (a PEFT LoRA layer around its ``base_layer``).
+    """
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    nx, nf, weight = getattr(module, "nx", None), getattr(module, "nf", None), getattr(module, "weight", None)
+    if isinstance(nx, int) and isinstance(nf, int) and isinstance(weight, torch.Tensor) and weight.shape == (nx, nf):
+        return nx, nf
+    fi, fo = getattr(module, "in_features", None), getattr(module, "out_features", None)
+    if (
+        isinstance(fi, int)
+        and isinstance(fo, int)
+        and any(_widths(c) == (fi, fo) for c in module.children())
+        and not any(_is_activation(m) for m in module.modules())
+    ):
+        return fi, fo
+    return None
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """torch's norm layers, or a leaf holding only one or two per-channel vectors (RMSNorm, T5LayerNorm)."""
+    if isinstance(module, _NORMS):
+        return True
+    if _has_children(module) or _is_activation(module) or _widths(module) is not None:
+        return False
+    params = list(module.parameters(recurse=False))
+    return 1 <= len(params) <= 2 and all(p.dim() == 1 and p.numel() == params[0].numel() for p in params)
+
+
+def _expands(units: Sequence[tuple[int, int]]) -> bool:
+    """Whether the projections hold a feed-forward's shape: ``d -> h`` with ``h > d``, and ``h -> d``."""
+    have = set(units)
+    return any(o > i and (o, i) in have for i, o in have)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """What a class's ``forward`` (with the methods of its own that it calls) refers to."""
+
+    attributes: tuple[str, ...]  # ``self.<name>`` in the order they first run (see _when); no comparisons
+    names: frozenset[str]  # every identifier and attribute name
+    calls: frozenset[str]  # names of the functions and methods it calls
+
+
+_HELPER_DEPTH = 3  # how deep forward -> self.helper() -> ... is followed
+
+
+def _parse(fn: object) -> ast.Module | None:
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(fn)))  # type: ignore[arg-type]
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
+def _own_method(cls: type, name: str) -> types.FunctionType | None:
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            value = vars(klass)[name]
+            if klass in (nn.Module, object) or not isinstance(value, types.FunctionType):
+                return None
+            return value
+    return None
+
+
+_SOURCES: dict[type, _Source] = {}
+
+
+def _source(cls: type) -> _Source:
+    """What ``cls.forward`` refers to (read once per class)."""
+    if cls not in _SOURCES:
+        _SOURCES[cls] = _read_source(cls)
+    return _SOURCES[cls]
+
+
+def _read_source(cls: type) -> _Source:
+    order: dict[str, None] = {}
+    names: set[str] = set()
+    calls: set[str] = set()
+
+    def visit(fn: object, depth: int, seen: frozenset[str]) -> None:
+        tree = _parse(fn)
+        if tree is None:
+            return
+        parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        uses: list[tuple[tuple[int, int], str]] = []  # (when it runs, self.<name>)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name):
+                names.add(node.id)
+            elif isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
+                calls.add(node.func.id if isinstance(node.func, ast.Name) else node.func.attr)
+            elif isinstance(node, ast.Attribute):
+                names.add(node.attr)
+                # `self.x is None` runs nothing: not a use.
+                if isinstance(node.value, ast.Name) and node.value.id == "self":
+                    if not isinstance(parents.get(id(node)), ast.Compare):
+                        uses.append((_when(node, parents), node.attr))
+        for _, name in sorted(uses):
+            method = _own_method(cls, name)
+            if method is not None:
+                if depth < _HELPER_DEPTH and name not in seen:
+                    visit(method, depth + 1, seen | {name})
+            else:
+                order.setdefault(name)
+
+    visit(getattr(cls, "forward", None), 0, frozenset({"forward"}))
+    return _Source(tuple(order), frozenset(names), frozenset(calls))
+
+
+def _when(node: ast.Attribute, parents: dict[int, ast.AST]) -> tuple[int, int]:
+    """Where ``self.<name>`` takes effect: a call of it (or of its method) runs after its arguments, at
+    the call's end (``self.decoder(self.encoder(x))`` runs the encoder first); any other use, where it is."""
+    parent = parents.get(id(node))
+    if isinstance(parent, ast.Attribute):
+        node, parent = parent, parents.get(id(parent))
+    if isinstance(parent, ast.Call) and parent.func is node:
+        return (parent.end_lineno or parent.lineno, parent.end_col_offset or parent.col_offset)
+    return (node.lineno, node.col_offset)
+
+
+class _Anatomy:
+    """Which sub-modules are attention and which feed-forward, read from structure (memoised per call).
+
+    NOTE [ Attention and FFN by structure ]
+    Names are not read: Llama's ``post_attention_layernorm`` is a norm, BERT's FFN is called
+    ``intermediate`` + ``output``, T5's ``DenseReluDense``. Instead:
+
+    * a *norm* (torch's norm layers, or a leaf holding one or two per-channel vectors) is never
+      attention or FFN;
+    * *attention* is nn.MultiheadAttention, or a module whose own children hold at least three
+      projections of one input width (q, k, v), or one fused ``d -> 3d`` projection, or at least two
+      projections and whose forward calls an attention kernel (softmax, scaled_dot_product_attention,
+      HF's ALL_ATTENTION_FUNCTIONS) or holds a softmax module; it has no activation child and is not
+      FFN-shaped. The smallest such module is reported (BERT's ``attention.self``, without the
+      ``attention.output`` projection and norm; T5's ``layer.0.SelfAttention``);
+    * an *FFN* is FFN-shaped: an up projection ``d -> h`` (``h > d``) with the matching down projection
+      ``h -> d``, or a bank of experts (3-D weights, one slice per expert), and an activation (a module,
+      or a call such as ``F.gelu`` in a forward); it holds no attention. The smallest module holding it
+      is reported (T5's ``layer.1.DenseReluDense``, not ``layer.1`` with its norm; a MoE block whole,
+      with its router). When no single module holds it, consecutive sibling modules that together do
+      are reported together (BERT's ``intermediate`` and ``output``); runtime checkpoints each of them
+      as a whole module. Projections that are direct leaves of the layer (nn.TransformerEncoderLayer's
+      ``linear1``/``linear2``, BART's ``fc1``/``fc2``) are not reported: checkpointing leaf modules one
+      by one frees nothing. Such a layer is still a mixed one (``LayerType.OTHER``).
+
+    Projections are nn.Linear, HF's Conv1D, or wrappers that keep a Linear's widths (PEFT LoRA).
+    """
+
+    def __init__(self) -> None:
+        self._units: dict[int, list[tuple[int, int]]] = {}
+        self._attention: dict[int, bool] = {}
+        self._holds_attention: dict[int, bool] = {}
+        self._activation: dict[int, bool] = {}
+
+    def units(self, module: nn.Module) -> list[tuple[int, int]]:
+        """The widths of the outermost projections in ``module`` (itself included)."""
+        key = id(module)
+        if key not in self._units:
+            w = _widths(module)
+            self._units[key] = [w] if w is not None else [u for c in module.children() for u in self.units(c)]
+        return self._units[key]
+
+    def has_activation(self, module: nn.Module) -> bool:
+        key = id(module)
+        if key not in self._activation:
+            self._activation[key] = (
+                _is_activation(module)
+                or (_has_children(module) and _calls_activation(type(module)))
+                or any(self.has_activation(c) for c in module.children())
+            )
+        return self._activation[key]
+
+    def ffn_shaped(self, modules: Sequence[nn.Module]) -> bool:
+        """An expanding and contracting pair of projections (or a bank of experts), and an activation."""
+        shaped = _expands([u for m in modules for u in self.units(m)]) or any(
+            _expert_bank(d) for m in modules for d in m.modules()
+        )
+        return shaped and any(self.has_activation(m) for m in modules)
+
+    def ffn_shaped_outside(self, fqns: Sequence[str], members: Sequence[nn.Module], attention: Sequence[str]) -> bool:
+        """Whether the projections of ``members`` outside their attention sub-modules expand and contract."""
+        skip = {id(m) for top, member in zip(fqns, members) for n, m in member.named_modules() if _join(top, n) in attention}
+
+        def units(module: nn.Module) -> list[tuple[int, int]]:
+            if id(module) in skip:
+                return []
+            w = _widths(module)
+            return [w] if w is not None else [u for c in module.children() for u in units(c)]
+
+        return _expands([u for m in members for u in units(m)])
+
+    def is_attention(self, module: nn.Module) -> bool:
+        key = id(module)
+        if key not in self._attention:
+            self._attention[key] = self._attention_rule(module)
+        return self._attention[key]
+
+    def _attention_rule(self, module: nn.Module) -> bool:
+        if isinstance(module, nn.MultiheadAttention):
+            return True
+        if isinstance(module, (*_CONTAINERS, nn.Sequential)) or _is_norm(module) or _widths(module) is not None:
+            return False
+        children = list(module.children())
+        if any(_is_activation(c) for c in children) or self.ffn_shaped([module]):
+            return False
+        projections = [w for c in children if (w := _widths(c)) is not None]
+        same_input = max(Counter(i for i, _ in projections).values(), default=0)
+        if same_input >= 3 or any(o == 3 * i for i, o in projections):
+            return True
+        core = any(isinstance(c, _SOFTMAX) for c in children) or bool(_source(type(module)).names & _ATTENTION_CALLS)
+        return len(projections) >= 2 and core
+
+    def holds_attention(self, module: nn.Module) -> bool:
+        key = id(module)
+        if key not in self._holds_attention:
+            self._holds_attention[key] = self.is_attention(module) or any(
+                self.holds_attention(c) for c in module.children()
+            )
+        return self._holds_attention[key]
+
+    def is_ffn(self, module: nn.Module) -> bool:
+        if isinstance(module, _CONTAINERS) or _is_norm(module) or _widths(module) is not None:
+            return False
+        return self.ffn_shaped([module]) and not self.holds_attention(module)
+
+    def _narrow(self, module: nn.Module, fqn: str) -> str:
+        # The smallest module holding the FFN: step into the one FFN child while its siblings are norms,
+        # dropout and other parameter-free modules (T5's layer.1 -> layer.1.DenseReluDense; a MoE block
+        # stays whole with its router).
+        while True:
+            children = list(module.named_children())
+            inner = [(n, c) for n, c in children if self.is_ffn(c)]
+            if len(inner) != 1 or any(
+                not _is_norm(c) and any(True for _ in c.parameters()) for _, c in children if c is not inner[0][1]
+            ):
+                return fqn
+            module, fqn = inner[0][1], f"{fqn}.{inner[0][0]}"
+
+    def find(self, module: nn.Module, fqn: str, attn: list[str], ffn: list[str]) -> None:
+        """Append the attention and FFN sub-modules below ``module`` (NOTE [ Attention and FFN by structure ])."""
+        run: list[tuple[str, nn.Module]] = []  # consecutive composite siblings that may form an FFN together
+
+        def close() -> None:
+            start = 0
+            while start < len(run):
+                for stop in range(start + 2, len(run) + 1):
+                    if self.ffn_shaped([m for _, m in run[start:stop]]):
+                        ffn.extend(n for n, _ in run[start:stop])
+                        start = stop
+                        break
+                else:
+                    start += 1
+            run.clear()
+
+        for name, child in module.named_children():
+            sub = f"{fqn}.{name}"
+            if self.is_attention(child):
+                close()
+                attn.append(sub)
+            elif isinstance(child, _CONTAINERS) or self.holds_attention(child):
+                close()
+                self.find(child, sub, attn, ffn)
+            elif self.is_ffn(child):
+                close()
+                ffn.append(self._narrow(child, sub))
+            elif _has_children(child) and _widths(child) is None and self.units(child):
+                run.append((sub, child))
+            elif any(True for _ in child.parameters()):
+                close()  # a norm or a bare projection between them: not one FFN
+        close()
 
 
 def _outermost(matches: list[str]) -> tuple[str, ...]:
@@ -94,48 +423,45 @@ def _outermost(matches: list[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _infer(model: nn.Module, fqns: tuple[str, ...]) -> tuple[LayerType, tuple[str, ...], tuple[str, ...]]:
+def _infer(
+    model: nn.Module, fqns: tuple[str, ...], anatomy: _Anatomy
+) -> tuple[LayerType, tuple[str, ...], tuple[str, ...]]:
+    members = [model.get_submodule(f) for f in fqns]
+    if len(members) == 1 and anatomy.is_attention(members[0]):
+        return LayerType.ATTENTION, (), ()
+    if len(members) == 1 and anatomy.is_ffn(members[0]) and not any(isinstance(m, _MIXERS) for m in members[0].modules()):
+        return LayerType.FFN, (), ()
     attn: list[str] = []
     ffn: list[str] = []
-    leaves: list[nn.Module] = []
-    for top in fqns:
-        member = model.get_submodule(top)
-        for sub_name, sub in member.named_modules():
-            fqn = f"{top}.{sub_name}" if sub_name else top
-            if sub_name and _is_attention(sub, fqn):
-                attn.append(fqn)
-            elif sub_name and _is_ffn(sub, fqn):
-                ffn.append(fqn)
-            if not list(sub.children()):
-                leaves.append(sub)
-    attn_t, ffn_t = _outermost(attn), _outermost(ffn)
-    attn_t = tuple(a for a in attn_t if not any(a.startswith(f + ".") for f in ffn_t))
-    ffn_t = tuple(f for f in ffn_t if not any(f.startswith(a + ".") for a in attn_t))
-    if len(fqns) == 1 and _is_attention(model.get_submodule(fqns[0]), fqns[0]):
-        return LayerType.ATTENTION, (), ()
-    if len(fqns) == 1 and _is_ffn(model.get_submodule(fqns[0]), fqns[0]):
-        return LayerType.FFN, (), ()
-    if attn_t and ffn_t:
-        return LayerType.OTHER, attn_t, ffn_t
-    if attn_t:
-        return LayerType.ATTENTION, attn_t, ()
-    if ffn_t:
-        return LayerType.FFN, (), ffn_t
-    if leaves and all(isinstance(m, _EMBEDDINGS) or isinstance(m, nn.Dropout) for m in leaves):
+    for top, member in zip(fqns, members):
+        anatomy.find(member, top, attn, ffn)
+    if attn and ffn:
+        return LayerType.OTHER, tuple(attn), tuple(ffn)
+    if attn and anatomy.ffn_shaped_outside(fqns, members, attn):
+        # A transformer layer whose FFN is no module of its own (nn.TransformerEncoderLayer): still a
+        # mixed layer, so attention_only checkpoints its attention, not the whole layer.
+        return LayerType.OTHER, tuple(attn), ()
+    if attn:
+        return LayerType.ATTENTION, tuple(attn), ()
+    if ffn:
+        return LayerType.FFN, (), tuple(ffn)
+    leaves = [m for member in members for m in member.modules() if not _has_children(m)]
+    if leaves and all(isinstance(m, (*_EMBEDDINGS, nn.Dropout)) for m in leaves):
         return LayerType.EMBEDDING, (), ()
-    if leaves and all(isinstance(m, _NORMS) for m in leaves):
+    if leaves and all(_is_norm(m) for m in leaves):
         return LayerType.NORM, (), ()
-    if leaves and any(isinstance(m, nn.Linear) for m in leaves) and all(
-        isinstance(m, _PLAIN_FFN) or _is_activation(m) for m in leaves
+    if leaves and any(_widths(m) is not None for m in leaves) and all(
+        isinstance(m, _PLAIN_FFN) or _widths(m) is not None or _is_activation(m) for m in leaves
     ):
         return LayerType.FFN, (), ()
     return LayerType.OTHER, (), ()
 
 
 def _make(model: nn.Module, groups: Sequence[tuple[str, ...]]) -> tuple[Block, ...]:
+    anatomy = _Anatomy()
     out = []
     for i, fqns in enumerate(groups):
-        hint, attn, ffn = _infer(model, fqns)
+        hint, attn, ffn = _infer(model, fqns, anatomy)
         members = [model.get_submodule(f) for f in fqns]
         seen: set[int] = set()
         pbytes = 0
@@ -172,14 +498,107 @@ def _param_count(modules: Sequence[nn.Module]) -> int:
     return sum(seen.values())
 
 
-def _default_groups(model: nn.Module) -> list[tuple[str, ...]]:
-    # A run of consecutive children sharing a class (transformer layers, ResNet stages, Sequential
-    # children). Runs of composite modules beat runs of leaves (two embeddings are not layers); then the
-    # run with the most blocks weighted by the share of the model's parameters it covers (ResNet-50's
-    # four stages, not five bottlenecks inside one stage); then the longer run; then the shallower.
+# NOTE [ Every stack ]
+# The default blocks are every stack of repeated layers in the model, as one list: a *stack* is a run
+# of two or more consecutive sibling modules of one class with the same kinds of children, each with
+# children and parameters (transformer layers, ResNet stages, U-Net down stages). The tree is walked
+# from the root:
+# * A stack whose members hold stacks of their own (T5's encoder and decoder T5Stacks, two
+#   TransformerEncoders) is replaced by those inner stacks when they hold at least _SPLIT_COVERAGE of
+#   its non-embedding parameters; otherwise its members are the blocks (ResNet-50: four stages, not the
+#   look-alike bottlenecks after each stage's first). Nothing inside a chosen block is taken again.
+# * Next to a chosen stack, siblings are layers too and are not searched for stacks (a MoE layer's
+#   experts beside a run of dense layers); elsewhere every child is searched (a U-Net's downs and ups).
+# * Stacks under _TINY_STACK of the model's non-embedding parameters are left out (the vision tower
+#   of a large vision-language model is about 1%; two small heads are far below).
+# * Order: runs are in registration order (the order of `for layer in self.layers`). Stacks under
+#   different children of one module are ordered by where its forward (and the methods of its own it
+#   calls) first uses those children, a call counting at its end, after its arguments (CLIP runs
+#   vision_model before text_model, which it registers second; `self.decoder(self.encoder(x))` runs
+#   the encoder first), when it uses them all; otherwise registration order. This reads the source,
+#   it does not run the model (blocks() has no inputs): `remat.profile` checks the real order and
+#   raises BlockSelectionError if the blocks ran in another.
+_SPLIT_COVERAGE = 0.9
+_TINY_STACK = 0.005
+
+
+class _Stacks:
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._weights: dict[int, dict[int, int]] = {}
+        self.total = self.weight([model])
+
+    def _own_weights(self, module: nn.Module) -> dict[int, int]:
+        key = id(module)
+        if key not in self._weights:
+            # Embedding tables hold parameters, not activations: they would make T5's embedding
+            # outweigh its layers.
+            own = [] if isinstance(module, _EMBEDDINGS) else module.parameters(recurse=False)
+            self._weights[key] = {id(p): p.numel() for p in own}
+            for child in module.children():
+                self._weights[key].update(self._own_weights(child))
+        return self._weights[key]
+
+    def weight(self, modules: Sequence[nn.Module]) -> int:
+        """Non-embedding parameters of ``modules`` (shared ones counted once)."""
+        seen: dict[int, int] = {}
+        for m in modules:
+            seen.update(self._own_weights(m))
+        return sum(seen.values())
+
+    def cover(self, module: nn.Module, prefix: str) -> list[str]:
+        """The FQNs of the blocks below ``module``, in forward order (NOTE [ Every stack ])."""
+        children = list(module.named_children())
+        runs: list[list[tuple[str, nn.Module]]] = []
+        for name, child in children:
+            last = runs[-1][-1][1] if runs else None
+            if last is not None and _is_layer(child) and _is_layer(last) and _run_key(child) == _run_key(last):
+                runs[-1].append((name, child))
+            else:
+                runs.append([(name, child)])
+        pieces: list[tuple[str, list[str]]] = []
+        singles: list[tuple[str, nn.Module]] = []
+        layered = False
+        for run in runs:
+            if len(run) < 2:
+                singles.append(run[0])
+                continue
+            inner = [(name, self.cover(child, _join(prefix, name))) for name, child in run]
+            whole = self.weight([child for _, child in run])
+            split = self.weight([self.model.get_submodule(f) for _, fqns in inner for f in fqns])
+            if isinstance(run[0][1], _CONTAINERS) or split >= _SPLIT_COVERAGE * whole:
+                pieces += inner
+            elif whole >= _TINY_STACK * self.total:
+                pieces += [(name, [_join(prefix, name)]) for name, _ in run]
+                layered = True
+        if not layered:
+            pieces += [(name, self.cover(child, _join(prefix, name))) for name, child in singles]
+        position = {name: i for i, (name, _) in enumerate(children)}
+        pieces = sorted((p for p in pieces if p[1]), key=lambda p: position[p[0]])
+        mentioned = _source(type(module)).attributes
+        if len(pieces) > 1 and all(name in mentioned for name, _ in pieces):
+            pieces.sort(key=lambda p: mentioned.index(p[0]))
+        return [f for _, fqns in pieces for f in fqns]
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+def _is_layer(module: nn.Module) -> bool:
+    # A projection wrapped with children of its own (a PEFT LoRA layer) is one projection, not a layer.
+    return _has_children(module) and any(True for _ in module.parameters()) and _widths(module) is None
+
+
+def _best_run(model: nn.Module) -> list[str]:
+    # Without a stack of composite layers: the longest run of repeated leaves of an nn.Sequential (which
+    # calls them as a chain; the q, k, v projections of a layer that a model reuses, as ALBERT, are not
+    # blocks), weighted by the share of the model's parameters it covers.
     total = _param_count([model]) or 1
-    best: tuple[tuple[int, float, int, int], list[str]] = ((0, 0.0, 0, 0), [])
+    best: tuple[tuple[float, int, int], list[str]] = ((0.0, 0, 0), [])
     for prefix, container in model.named_modules():
+        if not isinstance(container, nn.Sequential):
+            continue
         depth = prefix.count(".") + 1 if prefix else 0
         children = list(container.named_children())
         i = 0
@@ -187,15 +606,19 @@ def _default_groups(model: nn.Module) -> list[tuple[str, ...]]:
             j = i
             while j + 1 < len(children) and _run_key(children[j + 1][1]) == _run_key(children[i][1]):
                 j += 1
-            run = [f"{prefix}.{n}" if prefix else n for n, _ in children[i : j + 1]]
-            composite = int(any(True for _ in children[i][1].children()))
-            coverage = _param_count([m for _, m in children[i : j + 1]]) / total
-            score = (composite, round(len(run) * coverage, 9), len(run), -depth) if len(run) >= 2 else (0, 0.0, 0, 0)
-            if score > best[0]:
-                best = (score, run)
+            if j > i:
+                coverage = _param_count([m for _, m in children[i : j + 1]]) / total
+                score = (round((j - i + 1) * coverage, 9), j - i + 1, -depth)
+                if score > best[0]:
+                    best = (score, [_join(prefix, n) for n, _ in children[i : j + 1]])
             i = j + 1
-    if best[1]:
-        return [(f,) for f in best[1]]
+    return best[1]
+
+
+def _default_groups(model: nn.Module) -> list[tuple[str, ...]]:
+    found = _Stacks(model).cover(model, "") or _best_run(model)
+    if found:
+        return [(f,) for f in found]
     roots = [n for n, _ in model.named_children()]
     if len(roots) >= 2:
         return [(n,) for n in roots]
@@ -267,13 +690,34 @@ def blocks(
 ) -> tuple[Block, ...]:
     """Find the checkpointable blocks of a model.
 
-    With no selector, the blocks are the longest run of repeated children (the layers of a
-    transformer, the stages of a ResNet, the children of a Sequential): consecutive siblings of one
-    class with the same kinds of children, runs of composite modules before runs of leaves, longer
-    runs first, then the shallower. ``include``, ``types`` and
-    ``filter`` may be combined (a module must satisfy all given); only the outermost matching modules
-    become blocks. ``named`` groups consecutive sibling modules into blocks, as NNTrainer's
-    ``addCheckpointBlock``.
+    With no selector, the blocks are every stack of repeated layers in the model, as one list
+    (NOTE [ Every stack ]). A stack is a run of two or more consecutive sibling modules of one class
+    with the same kinds of children, each with children and parameters: transformer layers, ResNet
+    stages, the layers of a Sequential. All stacks are taken: a T5's encoder blocks then its decoder
+    blocks, a U-Net's down stages then its up stages, a vision-text model's two towers. A stack whose
+    members hold stacks of their own is replaced by those when they hold at least 90% of its
+    non-embedding parameters (two towers of layers: the layers; ResNet-50: its four stages). Not
+    taken: runs of leaves (two embeddings), stacks under 0.5% of the model's non-embedding parameters,
+    and stacks inside a chosen block or inside a layer beside a chosen stack (a MoE layer's experts).
+    Without any stack, the longest run of leaves of an ``nn.Sequential``, else the root's children.
+
+    Order: a stack's blocks in registration order (``for layer in self.layers``); stacks under
+    different children of a module in the order its ``forward`` (and the methods of its own it calls)
+    calls those children, read from the source without running the model (CLIP runs its vision tower
+    first though it registers it second); registration order when the source does not name them all.
+    :func:`remat.profile` runs the model and raises ``BlockSelectionError`` if the blocks ran in
+    another order; choose them with ``include=`` or ``named=`` then.
+
+    Each block's attention and feed-forward sub-modules (``attention_fqns``, ``ffn_fqns``, which
+    ``attention_only`` and ``ffn_only`` checkpoint one by one as whole modules) are found by structure,
+    not by name (NOTE [ Attention and FFN by structure ]): attention holds q, k, v projections of one
+    width (or a fused one, or calls softmax / scaled_dot_product_attention), an FFN an expanding and a
+    contracting projection (or a bank of experts) and an activation; a norm is neither. A layer whose
+    FFN is no module of its own (``nn.TransformerEncoderLayer``) reports none.
+
+    ``include``, ``types`` and ``filter`` may be combined (a module must satisfy all given); only the
+    outermost matching modules become blocks. ``named`` groups consecutive sibling modules into
+    blocks, as NNTrainer's ``addCheckpointBlock``.
 
     Args:
         model: Any module.
@@ -283,7 +727,8 @@ def blocks(
         named: Groups of module FQNs; each group is one block (a single name is a one-module block).
 
     Returns:
-        The blocks in forward (registration) order, indexed from 0.
+        The blocks in forward order (as above for the default; as selected or registered otherwise),
+        indexed from 0.
 
     Raises:
         BlockSelectionError: If nothing matches, a name does not exist, a group is not consecutive,
@@ -337,12 +782,24 @@ def resolve(model: nn.Module, block_list: Sequence[Block]) -> list[list[nn.Modul
 
 
 def fingerprint(model: nn.Module, block_list: Sequence[Block]) -> str:
-    """A short hash of the blocks' names, classes and parameter shapes (to match plans to models)."""
+    """A short hash to match plans to models: ``"<blocks>.<run>"``.
+
+    ``<blocks>`` hashes the blocks' names, classes and parameter shapes; ``<run>`` hashes, in each
+    module that holds a block, the names of its children of the blocks' classes, so a plan for the
+    4 layers of a model does not silently cover only part of a 6-layer one (plans written before
+    ``<run>`` existed have only ``<blocks>``; see :func:`remat.apply.apply`).
+    """
     h = hashlib.sha1()
+    containers: dict[str, set[str]] = {}
     for b, members in zip(block_list, resolve(model, block_list)):
         h.update(repr(b.fqns).encode())
-        for m in members:
+        for fqn, m in zip(b.fqns, members):
             h.update(type(m).__name__.encode())
+            containers.setdefault(fqn.rpartition(".")[0], set()).add(type(m).__name__)
             for name, p in m.named_parameters():
                 h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
-    return h.hexdigest()[:16]
+    run = hashlib.sha1()
+    for parent, classes in containers.items():
+        children = [n for n, c in model.get_submodule(parent).named_children() if type(c).__name__ in classes]
+        run.update(f"{parent}:{children}".encode())
+    return f"{h.hexdigest()[:16]}.{run.hexdigest()[:8]}"

@@ -254,12 +254,16 @@ class _Frame:
         leaves, spec = tree_flatten((args, kwargs))
         slots: list[tuple[Any, ...]] = []
         external: list[torch.Tensor] = []
+        seen: dict[int, int] = {}  # one slot per distinct tensor: self_attn(x, x, x) replays with x three times
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 hit = self.outs.get(id(leaf))
                 if hit is not None and hit[2]() is leaf and leaf._version == hit[3]:
                     slots.append((_LINK, hit[0], hit[1]))
+                elif id(leaf) in seen:
+                    slots.append((_EXT, seen[id(leaf)], leaf.requires_grad))
                 else:
+                    seen[id(leaf)] = len(external)
                     slots.append((_EXT, len(external), leaf.requires_grad))
                     external.append(leaf.detach())
             else:
@@ -346,12 +350,15 @@ class _Frame:
     def _arguments(self, call: _Call, outs: dict[int, list[Any]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         external = call.saver.grad_fn.saved_tensors if call.saver is not None and call.saver.grad_fn is not None else ()
         leaves: list[Any] = []
+        fresh: dict[int, torch.Tensor] = {}
         for slot in call.slots:
             if slot[0] == _LINK:
                 leaves.append(outs[slot[1]][slot[2]])
             elif slot[0] == _EXT:
-                t = external[slot[1]].detach()
-                leaves.append(t.requires_grad_(True) if slot[2] else t)
+                if slot[1] not in fresh:
+                    t = external[slot[1]].detach()
+                    fresh[slot[1]] = t.requires_grad_(True) if slot[2] else t
+                leaves.append(fresh[slot[1]])
             else:
                 value, snap = slot[1], slot[2]
                 if snap is not None and not _same_snapshot(snap, value):

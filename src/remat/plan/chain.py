@@ -30,8 +30,9 @@ Two more measured terms make any calling pattern fit this model (NOTE [ Spans ] 
 ``remat.apply.runtime``): ``g[k]`` (``gap_bytes``), the level change from the end of block k's forward
 to the start of block k+1 (code between blocks), and what stays alive inside a block when autograd
 saves nothing, ``pin[k]`` (``pinned_bytes``) and, for its output, ``pout[k]`` (``pinned_out_bytes``;
-hidden states a model collects). A kept block holds ``S'[k] = S[k] + g[k]``; a segment ``a..b-1``
-holds ``H(a, b) = x[b] + c + sum(g[q] + pin[q] for q in a..b-1) + sum(pout[q] for q in a..b-2)``
+hidden states a model collects), and ``re[k]`` (``reused_bytes``), the part of block k's output that
+a later block other than k+1 takes (a U-Net's skip), held even when k is inside a segment. A kept block holds ``S'[k] = S[k] + g[k]``; a segment ``a..b-1``
+holds ``H(a, b) = x[b] + c + sum(g[q] + pin[q] for q in a..b-1) + sum(pout[q] + re[q] for q in a..b-2)``
 (``Chain.segment_bytes``).
 
 Memory is simulated (``remat.plan.simulate``) with a level ``L`` starting at ``base_bytes``:
@@ -100,6 +101,8 @@ class Chain:
             so recomputing the block does not free them (default 0).
         pinned_out_bytes: Bytes of each block's output that stay alive when autograd saves nothing
             (hidden states the model collects), held even when the block is inside a segment (default 0).
+        reused_bytes: Bytes of each block's own output that a block other than the next one takes (a
+            U-Net's skip), held even when the block is inside a segment (default 0).
         recomputable: Whether each block may be recomputed (``False`` for a stateful forward, see
             NOTE [ State under recomputation ] in ``remat.apply.runtime``; default all ``True``).
     """
@@ -120,10 +123,11 @@ class Chain:
     gap_bytes: tuple[int, ...] = ()
     pinned_bytes: tuple[int, ...] = ()
     pinned_out_bytes: tuple[int, ...] = ()
+    reused_bytes: tuple[int, ...] = ()
     recomputable: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("gap_bytes", "pinned_bytes", "pinned_out_bytes"):
+        for name in ("gap_bytes", "pinned_bytes", "pinned_out_bytes", "reused_bytes"):
             if not getattr(self, name):
                 object.__setattr__(self, name, (0,) * len(self.fwd_ms))
         if not self.recomputable:
@@ -151,7 +155,8 @@ class Chain:
         held = int(self.x_bytes[stop]) + int(self.ckpt_state_bytes)
         for q in range(start, stop):
             held += int(self.gap_bytes[q]) if q < self.n else 0
-            held += int(self.pinned_bytes[q]) + (int(self.pinned_out_bytes[q]) if q < stop - 1 else 0)
+            held += int(self.pinned_bytes[q])
+            held += int(self.pinned_out_bytes[q]) + int(self.reused_bytes[q]) if q < stop - 1 else 0
         return held
 
 

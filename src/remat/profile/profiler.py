@@ -360,7 +360,12 @@ def profile(
         gaps = _gaps(trace, n)
         # Scalars a forward caches (a few bytes) do not make a model less of a chain.
         slack = [max(1024, sum(tracked.outputs[i].values()) // 100) for i in range(n)]
-        chain = all(tracked.linked[1:]) and all(max(0, gaps[i]) + sum(pinned[i]) <= slack[i] for i in range(n - 1))
+        reused = _reused(tracked)
+        chain = (
+            all(tracked.linked[1:])
+            and not any(reused[: n - 1])
+            and all(max(0, gaps[i]) + sum(pinned[i]) <= slack[i] for i in range(n - 1))
+        )
 
         # Times: wall clock at each boundary, median over repeats, for the plain model and (NOTE
         # [ Measured checkpoint costs ]) with every block, every attention, every FFN checkpointed,
@@ -388,7 +393,7 @@ def profile(
 
     prof = _assemble(model, block_list, tracked, trace, runs, step_ms, _times(flop_events), held, dev, n)
     bps = tuple(
-        replace(bp, gap_bytes=gaps[i], pinned_bytes=pinned[i][0], pinned_out_bytes=pinned[i][1])
+        replace(bp, gap_bytes=gaps[i], pinned_bytes=pinned[i][0], pinned_out_bytes=pinned[i][1], reused_bytes=reused[i])
         for i, bp in enumerate(prof.block_profiles)
     )
     return replace(prof, block_profiles=bps, is_chain=chain)
@@ -439,6 +444,18 @@ def _pinned(
                 result[i][1 if ptr in outs[i] else 0] += size
                 break
     return [(a, b) for a, b in result]
+
+
+def _reused(tracked: _Probe) -> list[int]:
+    """Bytes of each block's own output that a block other than the next one takes (a U-Net's skip):
+    held until that block's backward, also when the producing block is inside a segment."""
+    n = len(tracked.linked)
+    out = []
+    for i in range(n):
+        own = {p: s for p, s in tracked.outputs[i].items() if p not in tracked.inputs[i]}
+        later = set().union(*(tracked.inputs[j] for j in range(i + 2, n))) if i + 2 < n else set()
+        out.append(sum(s for p, s in own.items() if p in later))
+    return out
 
 
 def _gaps(trace: MemoryTrace, n: int) -> list[int]:

@@ -63,6 +63,8 @@ class BlockProfile:
             autograd saves nothing (held by the model or a hook), bytes.
         pinned_out_bytes: Bytes of its outputs that stay alive when autograd saves nothing (hidden
             states the model collects), bytes.
+        reused_bytes: Bytes of its own output that a block other than the next one takes (a U-Net's
+            skip): held to that block's backward, also when this block is inside a segment.
         linked: Whether its tensor inputs are the previous block's outputs or tensors that existed
             before the previous block started (then a segment across the boundary holds nothing
             more; always ``True`` for block 0).
@@ -87,6 +89,7 @@ class BlockProfile:
     gap_bytes: int = 0
     pinned_bytes: int = 0
     pinned_out_bytes: int = 0
+    reused_bytes: int = 0
     linked: bool = True
     stateful: tuple[str, ...] = ()
 
@@ -177,6 +180,7 @@ class Profile:
             gap_bytes=tuple(b.gap_bytes for b in bps) + (0,),
             pinned_bytes=tuple(b.pinned_bytes for b in bps) + (0,),
             pinned_out_bytes=tuple(b.pinned_out_bytes for b in bps) + (0,),
+            reused_bytes=tuple(b.reused_bytes for b in bps) + (0,),
             recomputable=tuple(not b.stateful for b in bps) + (True,),
         )
 
