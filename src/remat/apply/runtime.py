@@ -129,10 +129,11 @@ class _Role:
     allow_stateful: bool = False
     learned: bool = False
     stateful: frozenset[str] = frozenset()
+    norms: frozenset[str] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["learned"], state["stateful"] = False, frozenset()  # learned again after loading
+        state["learned"], state["stateful"], state["norms"] = False, frozenset(), None  # learned again after loading
         return state
 
 
@@ -459,6 +460,13 @@ def _norm_buffers(module: nn.Module) -> frozenset[str]:
     return frozenset(out)
 
 
+def role_norms(module: nn.Module, role: _Role) -> frozenset[str]:
+    """``_norm_buffers`` of a member, computed once per role (walking the module tree each call costs)."""
+    if role.norms is None:
+        role.norms = _norm_buffers(module)
+    return role.norms
+
+
 class _StateGuard:
     """NOTE [ State under recomputation ] for one call of a member."""
 
@@ -478,7 +486,7 @@ class _StateGuard:
 
     def check(self, rng: _RngState) -> dict[str, torch.Tensor]:
         """Validate what the call changed; return the pre-call values of the buffers it updates."""
-        norms = _norm_buffers(self.module)
+        norms = role_norms(self.module, self.role)
         if self.role.learned:
             changed = [n for n, b in self.buffers.items() if b._version != self.versions[n] or n in norms]
         else:  # the learning call compares values too (not every kernel bumps the version counter)
