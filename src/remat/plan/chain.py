@@ -1,9 +1,10 @@
 """The solver's view of a model: a chain of blocks with measured costs, and the operations of a plan.
 
 # NOTE [ Chain cost model ]
-A profile (``remat.profile``) measures one plain training step and reduces it to a chain of ``n``
-blocks followed by a *head* (index ``n``: everything after the last block, loss and the head's
-backward included; always kept). All bytes are above the memory held before the step.
+A profile (``remat.profile``) measures one plain iteration of the user's training loop (NOTE [ What a
+step's peak means ] in ``remat.measure.trace``) and reduces it to a chain of ``n`` blocks followed by a
+*head* (index ``n``: everything after the last block, loss and the head's backward included; always
+kept). All bytes are above the memory held before the iteration.
 
 Per block ``k`` (and the head):
   ``x_bytes[k]``        bytes of the block's input (``x_bytes[n]`` is the head's input);
@@ -11,10 +12,13 @@ Per block ``k`` (and the head):
                         normally (saved tensors plus its output; measured, not derived);
   ``fwd_peak_bytes[k]`` fp[k]: peak rise above the level at the start of its forward;
   ``bwd_peak_bytes[k]`` bp[k]: peak rise above the level at the start of its backward;
+  ``grad_bytes[k]``     G[k]: parameter gradients its backward allocates, which stay to the end of
+                        the iteration (gradients set to ``None`` before it; 0 when they are held);
   ``fwd_ms[k]``, ``bwd_ms[k]``: median times.
 And for the chain: ``base_bytes`` (level when block 0 starts, its input included),
 ``pre_peak_bytes`` (peak before block 0 starts) and ``tail_peak_bytes`` (peak rise above
-``base_bytes`` after block 0's backward, e.g. the embedding's backward).
+``base_bytes`` after block 0's backward: the embedding's backward and its gradients, and the
+optimizer step; every gradient is allocated by then, so it does not depend on the plan).
 
 A plan is a sequence of operations over blocks ``0..n-1`` (the head is implicit and kept):
   ``Keep(k)``                   block k runs normally;
@@ -31,23 +35,29 @@ Two more measured terms make any calling pattern fit this model (NOTE [ Spans ] 
 to the start of block k+1 (code between blocks), and what stays alive inside a block when autograd
 saves nothing, ``pin[k]`` (``pinned_bytes``) and, for its output, ``pout[k]`` (``pinned_out_bytes``;
 hidden states a model collects), and ``re[k]`` (``reused_bytes``), the part of block k's output that
-a later block other than k+1 takes (a U-Net's skip), held even when k is inside a segment. A kept block holds ``S'[k] = S[k] + g[k]``; a segment ``a..b-1``
-holds ``H(a, b) = x[b] + c + sum(g[q] + pin[q] for q in a..b-1) + sum(pout[q] + re[q] for q in a..b-2)``
+a later block other than k+1 takes (a U-Net's skip), held even when k is inside a segment, and
+``un[k]`` (``unlinked_bytes``), inputs of block k made between blocks (``x + stage(x)``), which a segment
+going on through k holds as they are. A kept block holds ``S'[k] = S[k] + g[k]``; a segment ``a..b-1``
+holds ``H(a, b) = x[b] + c + sum(max(g[q], 0) + pin[q] for q in a..b-1) + sum(pout[q] + re[q] for q in a..b-2)
++ sum(un[q] for q in a+1..b-1)``
 (``Chain.segment_bytes``).
 
 Memory is simulated (``remat.plan.simulate``) with a level ``L`` starting at ``base_bytes``:
   forward   Keep(k):            peak L + fp[k];  L += S'[k]
             Recompute(a, b):    peak L + c + fp[q] + (x[q] if q > a) for q in a..b-1;  L += H(a, b)
-            head:               peak L + fp[n];  L += S[n] (0)
+            head:               peak L + fp[n] (its backward included);  L += G[n]
   backward (reverse order)
-            Keep(k):            peak L + bp[k];  L -= S'[k]
+            Keep(k):            peak L + bp[k];  L -= S'[k];  L += G[k]
             Recompute(a, b, I): forward of I from L, then backward of I (reverse), then L -= H(a, b);
                                 the last block of I (always a Keep) holds S'[b-1] - out_free[b-1]
                                 (the recomputed output is not kept: the replay stops once every
                                 saved tensor is back, and nothing holds the output)
   after the chain:              peak base + tail_peak
 (c is ``ckpt_state_bytes``, the RNG state a checkpoint keeps.) ``bp[k]`` is measured against the level
-after block k's forward, so charging it from ``S'`` errs by ``g[k]`` on the safe side. The solvers only
+after block k's forward plus the gradients allocated before its backward starts (the head's and later
+blocks'), so charging it from ``S'`` errs by ``g[k]`` on the safe side. Gradients accumulate: a
+block's backward, and a recomputation, run above every gradient allocated before them (a segment's
+replay runs after the blocks after it made theirs). The solvers only
 put several blocks in one segment where nothing is held between them (``Profile.is_chain``): the
 simulation charges any other segment exactly as above.
 Time is the sum of every forward run (recomputations included) and every backward; a no-save
@@ -82,7 +92,8 @@ class Chain:
         bwd_peak_bytes: Peak rise during each block's backward above the level at its start, bytes.
         base_bytes: Level when block 0 starts, above the memory held before the step, bytes.
         pre_peak_bytes: Peak before block 0 starts, above the memory held before the step, bytes.
-        tail_peak_bytes: Peak after block 0's backward, above ``base_bytes``, bytes.
+        tail_peak_bytes: Peak after block 0's backward (the rest of the backward and the optimizer
+            step), above ``base_bytes``, bytes.
         out_free_bytes: Bytes of each block's output that the block does not save itself (default 0):
             when the block ends a recomputed region, torch stops the recomputation before (or frees
             right after) producing them, so they are not held during its backward.
@@ -103,8 +114,12 @@ class Chain:
             (hidden states the model collects), held even when the block is inside a segment (default 0).
         reused_bytes: Bytes of each block's own output that a block other than the next one takes (a
             U-Net's skip), held even when the block is inside a segment (default 0).
+        unlinked_bytes: Bytes of each block's inputs that are neither the previous block's outputs nor
+            older tensors (made between blocks), held by a segment that goes on through the block (default 0).
         recomputable: Whether each block may be recomputed (``False`` for a stateful forward, see
             NOTE [ State under recomputation ] in ``remat.apply.runtime``; default all ``True``).
+        grad_bytes: Bytes of parameter gradients each block's backward allocates (entry ``n``: the
+            head's), held from then to the end of the iteration (default 0: gradients held before it).
     """
 
     fwd_ms: tuple[float, ...]
@@ -124,10 +139,12 @@ class Chain:
     pinned_bytes: tuple[int, ...] = ()
     pinned_out_bytes: tuple[int, ...] = ()
     reused_bytes: tuple[int, ...] = ()
+    unlinked_bytes: tuple[int, ...] = ()
     recomputable: tuple[bool, ...] = ()
+    grad_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("gap_bytes", "pinned_bytes", "pinned_out_bytes", "reused_bytes"):
+        for name in ("gap_bytes", "pinned_bytes", "pinned_out_bytes", "reused_bytes", "unlinked_bytes", "grad_bytes"):
             if not getattr(self, name):
                 object.__setattr__(self, name, (0,) * len(self.fwd_ms))
         if not self.recomputable:
@@ -154,9 +171,12 @@ class Chain:
         output, one RNG state, what the code after it adds, and what stays alive inside it anyway."""
         held = int(self.x_bytes[stop]) + int(self.ckpt_state_bytes)
         for q in range(start, stop):
-            held += int(self.gap_bytes[q]) if q < self.n else 0
+            # A gap that frees memory in the plain step (a frozen block's input, no longer needed) may
+            # free nothing under a segment, which holds its first block's inputs: count rises only.
+            held += max(0, int(self.gap_bytes[q])) if q < self.n else 0
             held += int(self.pinned_bytes[q])
             held += int(self.pinned_out_bytes[q]) + int(self.reused_bytes[q]) if q < stop - 1 else 0
+            held += int(self.unlinked_bytes[q]) if q > start else 0
         return held
 
 

@@ -178,7 +178,9 @@ class _Simulator:
         if isinstance(op, Recompute):
             self.extra_ms += float(c.ckpt_call_ms)
             for q in range(op.start, op.stop):
-                self._rise(c.ckpt_state_bytes + c.fwd_peak_bytes[q] + (c.x_bytes[q] if q > op.start else 0))
+                # What the segment already holds from its earlier blocks (NOTE [ Chain cost model ]).
+                held = c.segment_bytes(op.start, q) - c.x_bytes[q] - c.ckpt_state_bytes if q > op.start else 0
+                self._rise(c.ckpt_state_bytes + c.fwd_peak_bytes[q] + (c.x_bytes[q] if q > op.start else 0) + held)
                 # The no-save run costs ckpt_fwd_ms; the plain forward counted once is then not run.
                 self.extra_ms += float(c.ckpt_fwd_ms[q]) - (0.0 if replay else float(c.fwd_ms[q]))
             self.level += c.segment_bytes(op.start, op.stop)

@@ -50,11 +50,13 @@ def _storages(obj: Any, exclude: set[int]) -> dict[int, int]:
     for leaf in tree_leaves(obj):
         if isinstance(leaf, torch.Tensor):
             try:
+                # A DTensor (FSDP2's sharded parameters) or a freed storage has no data pointer: skip it.
                 st = leaf.untyped_storage()
+                ptr = st.data_ptr()
             except (RuntimeError, NotImplementedError):
                 continue
-            if st.data_ptr() not in exclude:
-                out[st.data_ptr()] = st.nbytes()
+            if ptr not in exclude:
+                out[ptr] = st.nbytes()
     return out
 
 
@@ -77,7 +79,7 @@ class _Probe:
         self.sub_names = [f for b in block_list for f in (*b.attention_fqns, *b.ffn_fqns)]
         self.callback = callback
         self.track = track
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.params = set(_storages(list(model.parameters()), set()))
         n, m = len(block_list), len(self.subs)
         self.saved: list[dict[int, int]] = [{} for _ in range(n + m)]
         self.inputs: list[dict[int, int]] = [{} for _ in range(n + m)]
@@ -87,6 +89,7 @@ class _Probe:
         # Links between blocks (BlockProfile.linked): the previous block's output tensors (weakly, with
         # their versions) and the storages that existed before the previous block started.
         self.linked = [True] * n
+        self.unlinked = [0] * n  # bytes of the inputs that made a block not linked
         self._prev_outs: list[tuple[weakref.ref[torch.Tensor], int]] = []
         self._prev_inputs: set[int] = set()
         self._seen: set[int] = set()
@@ -158,6 +161,7 @@ class _Probe:
                     continue
                 if ptr not in allowed and ptr not in self.params:
                     ok = False
+                    self.unlinked[index] += t.untyped_storage().nbytes()
         self.linked[index] = ok
         self._seen_before_prev = set(self._seen)
         mine = set(_storages((args, kwargs), self.params))
@@ -393,7 +397,7 @@ def profile(
 
     prof = _assemble(model, block_list, tracked, trace, runs, step_ms, _times(flop_events), held, dev, n)
     bps = tuple(
-        replace(bp, gap_bytes=gaps[i], pinned_bytes=pinned[i][0], pinned_out_bytes=pinned[i][1], reused_bytes=reused[i])
+        replace(bp, gap_bytes=gaps[i], pinned_bytes=pinned[i][0], pinned_out_bytes=pinned[i][1], reused_bytes=reused[i], unlinked_bytes=tracked.unlinked[i])
         for i, bp in enumerate(prof.block_profiles)
     )
     return replace(prof, block_profiles=bps, is_chain=chain)
@@ -403,7 +407,8 @@ def profile(
 # A segment drops what autograd saves inside it, but not what the model or the user holds: hidden
 # states collected in a list, features a hook keeps, a cache. The profile runs one forward (and the
 # loss) with a saved-tensor hook that keeps nothing, under the torch profiler, and reads which
-# allocations made inside each block's forward are still alive when the loss is computed: those are
+# allocations made inside each block's forward are still alive when the last block's forward ends
+# (so at least through the chain's forward, where the peak of a step usually is): those are
 # held whatever the plan (``pinned_bytes``; ``pinned_out_bytes`` for the block's outputs), so the
 # chain model charges them to segments too (NOTE [ Chain cost model ] in ``remat.plan.chain``).
 
@@ -412,11 +417,18 @@ def _pinned(
     model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor], block_list: Sequence[Block], dev: torch.device
 ) -> list[tuple[int, int]]:
     members = resolve(model, block_list)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = set(_storages(list(model.parameters()), set()))
     outs: list[set[int]] = [set() for _ in block_list]
     handles = []
+    last_inputs: set[int] = set()  # alive at the end of the last block because it is running on them
+
+    def pre(_m: nn.Module, args: Any, i: int) -> None:
+        if i == len(members) - 1:
+            last_inputs.update(_storages(args, params))
+        mark(f"P{i}")
+
     for i, mods in enumerate(members):
-        handles.append(mods[0].register_forward_pre_hook(lambda _m, _a, i=i: mark(f"P{i}")))
+        handles.append(mods[0].register_forward_pre_hook(lambda _m, a, i=i: pre(_m, a, i)))
 
         def post(_m: nn.Module, _a: Any, out: Any, i: int = i) -> None:
             outs[i].update(_storages(out, params))
@@ -432,13 +444,17 @@ def _pinned(
             del out, loss
 
     try:
-        live, times = live_allocations(forward, dev, "loss")
+        # Alive at the end of the last block's forward: held at least through the chain's forward,
+        # where its peak usually is (a list of hidden states freed when the model returns counts).
+        live, times = live_allocations(forward, dev, f"p{len(block_list) - 1}")
     finally:
         for h in handles:
             h.remove()
     spans = [(times.get(f"P{i}", -1), times.get(f"p{i}", -1)) for i in range(len(block_list))]
     result = [[0, 0] for _ in block_list]
     for ptr, (size, t) in live.items():
+        if ptr in last_inputs:
+            continue
         for i, (a, b) in enumerate(spans):
             if a <= t <= b:
                 result[i][1 if ptr in outs[i] else 0] += size

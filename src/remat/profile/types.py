@@ -65,6 +65,8 @@ class BlockProfile:
             states the model collects), bytes.
         reused_bytes: Bytes of its own output that a block other than the next one takes (a U-Net's
             skip): held to that block's backward, also when this block is inside a segment.
+        unlinked_bytes: Bytes of its inputs that are neither the previous block's outputs nor older
+            tensors (``x + stage(x)`` made between blocks): a segment going on through it holds them.
         linked: Whether its tensor inputs are the previous block's outputs or tensors that existed
             before the previous block started (then a segment across the boundary holds nothing
             more; always ``True`` for block 0).
@@ -90,6 +92,7 @@ class BlockProfile:
     pinned_bytes: int = 0
     pinned_out_bytes: int = 0
     reused_bytes: int = 0
+    unlinked_bytes: int = 0
     linked: bool = True
     stateful: tuple[str, ...] = ()
 
@@ -181,6 +184,7 @@ class Profile:
             pinned_bytes=tuple(b.pinned_bytes for b in bps) + (0,),
             pinned_out_bytes=tuple(b.pinned_out_bytes for b in bps) + (0,),
             reused_bytes=tuple(b.reused_bytes for b in bps) + (0,),
+            unlinked_bytes=tuple(b.unlinked_bytes for b in bps) + (0,),
             recomputable=tuple(not b.stateful for b in bps) + (True,),
         )
 
