@@ -349,7 +349,8 @@ class _Frame:
             _LOCAL.scope = previous_scope
 
     def _arguments(self, call: _Call, outs: dict[int, list[Any]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        external = call.saver.grad_fn.saved_tensors if call.saver is not None and call.saver.grad_fn is not None else ()
+        node: Any = call.saver.grad_fn if call.saver is not None else None
+        external = node.saved_tensors if node is not None else ()  # unpacking runs the hooks around it
         leaves: list[Any] = []
         fresh: dict[int, torch.Tensor] = {}
         for slot in call.slots:
@@ -422,7 +423,7 @@ def _same_snapshot(snap: dict[str, Any], value: Any) -> bool:
 def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     module, role = call.module, call.role
     if hasattr(module, "unshard") and any(c.__name__ == "FSDPModule" for c in type(module).__mro__):
-        module.unshard()  # FSDP2: its parameters were resharded after the forward
+        module.unshard()  # type: ignore[operator]  # FSDP2: its parameters were resharded after the forward
     buffers = dict(module.named_buffers())
     current = {name: buffers[name].detach().clone() for name in call.state if name in buffers}
     try:
@@ -719,7 +720,7 @@ class _FnModule(nn.Module):
         if isinstance(fn, nn.Module):
             owners.append(fn)
         elif isinstance(getattr(fn, "__self__", None), nn.Module):
-            owners.append(fn.__self__)  # type: ignore[union-attr]
+            owners.append(fn.__self__)  # type: ignore[attr-defined,union-attr]
         for cell in getattr(fn, "__closure__", None) or ():
             try:
                 value = cell.cell_contents

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 import logging
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,9 +23,9 @@ from remat.errors import BlockSelectionError, RematError
 from remat.measure.trace import (
     MemoryTrace,
     call_model,
-    live_allocations,
     device_of,
     held_bytes,
+    live_allocations,
     mark,
     median,
     preserved,
@@ -437,7 +437,7 @@ def _pinned(
         handles.append(mods[-1].register_forward_hook(post))
 
     def forward() -> None:
-        with torch.autograd.graph.saved_tensors_hooks(lambda _t: None, lambda _p: None):
+        with torch.autograd.graph.saved_tensors_hooks(_drop, _drop):
             out = call_model(model, inputs)
             loss = loss_fn(out)
             mark("loss")
@@ -472,6 +472,10 @@ def _reused(tracked: _Probe) -> list[int]:
         later = set().union(*(tracked.inputs[j] for j in range(i + 2, n))) if i + 2 < n else set()
         out.append(sum(s for p, s in own.items() if p in later))
     return out
+
+
+def _drop(_t: Any) -> Any:
+    return None
 
 
 def _gaps(trace: MemoryTrace, n: int) -> list[int]:
