@@ -607,8 +607,16 @@ class _Dispatch:
         self.module = module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        role: _Role = self.module.__dict__["_remat_role"]
-        return _invoke(self.module, role, role.spans, args, kwargs, replay=False)
+        return _dispatch(self.module, args, kwargs)
+
+
+# Under torch.compile a checkpointed module runs eagerly (a graph break around it): a compiled forward
+# saves other tensors than the eager replay would recompute, so remat's recording must see the eager
+# forward. Correct, at the cost of compiled speed inside checkpointed blocks.
+@torch.compiler.disable
+def _dispatch(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    role: _Role = module.__dict__["_remat_role"]
+    return _invoke(module, role, role.spans, args, kwargs, replay=False)
 
 
 def _count(module: nn.Module) -> None:
