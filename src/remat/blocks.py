@@ -781,25 +781,36 @@ def resolve(model: nn.Module, block_list: Sequence[Block]) -> list[list[nn.Modul
     return out
 
 
+def _unwrapped_class_name(module: nn.Module) -> str:
+    # FSDP2's fully_shard (and replicate) swap a module's class for a subclass "FSDP<Name>" of
+    # (FSDPModule, <Name>); hash the class it wraps, so a plan made before sharding fits the sharded model.
+    cls = type(module)
+    while len(cls.__bases__) == 2 and cls.__bases__[0].__module__.startswith("torch.distributed."):
+        cls = cls.__bases__[1]
+    return cls.__name__
+
+
 def fingerprint(model: nn.Module, block_list: Sequence[Block]) -> str:
     """A short hash to match plans to models: ``"<blocks>.<run>"``.
 
     ``<blocks>`` hashes the blocks' names, classes and parameter shapes; ``<run>`` hashes, in each
     module that holds a block, the names of its children of the blocks' classes, so a plan for the
     4 layers of a model does not silently cover only part of a 6-layer one (plans written before
-    ``<run>`` existed have only ``<blocks>``; see :func:`remat.apply.apply`).
+    ``<run>`` existed have only ``<blocks>``; see :func:`remat.apply.apply`). Classes are those before
+    FSDP2's ``fully_shard``, and parameter shapes a DTensor's global ones, so a model hashes the same
+    sharded or not.
     """
     h = hashlib.sha1()
     containers: dict[str, set[str]] = {}
     for b, members in zip(block_list, resolve(model, block_list)):
         h.update(repr(b.fqns).encode())
         for fqn, m in zip(b.fqns, members):
-            h.update(type(m).__name__.encode())
-            containers.setdefault(fqn.rpartition(".")[0], set()).add(type(m).__name__)
+            h.update(_unwrapped_class_name(m).encode())
+            containers.setdefault(fqn.rpartition(".")[0], set()).add(_unwrapped_class_name(m))
             for name, p in m.named_parameters():
                 h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
     run = hashlib.sha1()
     for parent, classes in containers.items():
-        children = [n for n, c in model.get_submodule(parent).named_children() if type(c).__name__ in classes]
+        children = [n for n, c in model.get_submodule(parent).named_children() if _unwrapped_class_name(c) in classes]
         run.update(f"{parent}:{children}".encode())
     return f"{h.hexdigest()[:16]}.{run.hexdigest()[:8]}"

@@ -95,21 +95,30 @@ class Budget:
         return f"{self.fraction * 100:g}%" if self.fraction is not None else "?"
 
 
+# A unitless budget below this is read as a forgotten percent sign, not as bytes: no training step
+# fits in 100 bytes, so "--budget 40" almost surely meant "40%".
+_SMALLEST_BYTES_BUDGET = 101
+
+
 def parse_budget(value: int | float | str | Budget) -> Budget:
     """Parse a memory budget.
 
     Args:
-        value: Bytes (an int, or a size string such as ``"1.5GiB"``) or a share of the unplanned
-            peak as a percentage string (``"40%"``, in (0, 100]).
+        value: Bytes (an int, a whole float such as ``2e9``, or a size string such as ``"1.5GiB"``)
+            or a share of the unplanned peak as a percentage string (``"40%"``, in (0, 100]).
 
     Returns:
         The parsed :class:`Budget`.
 
     Raises:
-        RematError: If the value cannot be read or the share is outside (0%, 100%].
+        RematError: If the value cannot be read, is negative, the share is outside (0%, 100%], a
+            unitless number is below 101 (``"40"``: "did you mean '40%'?"), or a float is not a whole
+            number of bytes (``0.4``: "did you mean '40%'?").
     """
     if isinstance(value, Budget):
         return value
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise RematError(f"budget: {value!r} is not a budget; give a share such as '40%' or bytes such as '1.5GiB'")
     if isinstance(value, str) and value.strip().endswith("%"):
         text = value.strip()[:-1]
         try:
@@ -117,9 +126,33 @@ def parse_budget(value: int | float | str | Budget) -> Budget:
         except ValueError:
             raise RematError(f"budget: cannot read {value!r}; write a share like '40%' or a size like '1.5GiB'") from None
         if not 0 < pct <= 100:
-            raise RematError(f"budget: share {value!r} is outside (0%, 100%]; give e.g. '40%'")
+            raise RematError(f"budget: share {value!r} is outside (0%, 100%]; 100% is the unplanned peak itself, give e.g. '40%'")
         return Budget(fraction=pct / 100)
-    return Budget(bytes=parse_bytes(value))
+    if isinstance(value, float) and 0 < value <= 1:
+        raise RematError(
+            f"budget: {value!r} is a float, read as {int(value)} bytes; did you mean {_pct(value * 100)!r}? "
+            "give a share as a string ('40%') or bytes as an int or a size ('1.5GiB')"
+        )
+    match = _SIZE_RE.match(value) if isinstance(value, str) else None
+    number = float(match.group(1)) if match is not None else float(value) if not isinstance(value, str) else None
+    if number is not None and number < 0:
+        raise RematError(f"budget: {value!r} is negative; give a size >= 0 such as '1.5GiB' or a share such as '40%'")
+    unitless = match is None or match.group(2) == ""
+    if number is not None and unitless and 0 < number < _SMALLEST_BYTES_BUDGET:
+        # 0.4 reads as a fraction (40%), 40 as a percentage with its sign forgotten.
+        share = number * 100 if number < 1 else number
+        raise RematError(
+            f"budget: {value!r} has no unit, so it means {int(number)} bytes; did you mean {_pct(share)!r}? "
+            "write a share with '%' or a size with a unit ('40MiB')"
+        )
+    try:
+        return Budget(bytes=parse_bytes(value))
+    except RematError as e:  # the size's own message, in the budget's words
+        raise RematError(f"budget: {str(e).removeprefix('size: ')}; or give a share such as '40%'") from None
+
+
+def _pct(value: float) -> str:
+    return f"{value:.4g}%"
 
 
 def format_bytes(n: int | float) -> str:

@@ -21,3 +21,10 @@ def mismatched() -> tuple[nn.Module, torch.Tensor, object]:
     """Inputs that do not fit the model: the model itself raises when called."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     return model, torch.randn(2, 5), lambda out: out.sum()
+
+
+def timing_env() -> None:
+    """Reports the timing variables this process runs with, through the CLI's one error line."""
+    import os
+
+    raise ValueError(",".join(f"{k}={os.environ.get(k, 'unset')}" for k in ("OMP_WAIT_POLICY", "MALLOC_TOP_PAD_")))

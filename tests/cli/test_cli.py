@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from remat.cli.main import main
+from remat.cli import main as main_module
+from remat.cli.common import load_workload
+from remat.cli.main import TIMING_ENV, build_parser, main
+from remat.errors import RematError
 from remat.measure import Measurement
+from remat.measure import compare as compare_module
+from remat.measure.compare import BenchResult, BenchRow
+from remat.models import WORKLOADS
+from remat.plan.strategies import STRATEGIES
 from remat.plan.types import Plan
 from remat.profile import Profile
+from remat.report.tables import budget_verdicts
 
 # batch 64: activations dominate the per-checkpoint RNG state (about 5 KiB on CPU).
 MLP = ["mlp", "--set", "widths=(8, 32, 8, 48, 8, 24)", "--set", "batch=256"]
@@ -29,7 +40,8 @@ def test_bench_writes_every_strategy_with_equal_gradients(tmp_path: Path, capsys
     assert full["peak_bytes"] > 0 and full["step_ms"] > 0  # memory savings are tested at sizes where they exist
     assert set(full["forward_counts"].values()) == {2}
     printed = capsys.readouterr().out
-    assert "memory saved" in printed and "optimal @ 80%" in printed
+    assert "saved" in printed and "overhead" in printed and "optimal @ 80%" in printed
+    assert "timings not ranked: with 1 round the run-to-run spread cannot be measured" in " ".join(printed.split())
 
 
 def test_profile_and_plan_write_json_that_reads_back(tmp_path: Path) -> None:
@@ -58,20 +70,20 @@ def test_user_factory(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["bench", "resnet50"], "error: models: unknown workload 'resnet50'; valid names are gpt, mlp, resnet, unet"),
+        (["bench", "resnet50"], "error: model: unknown built-in 'resnet50'; did you mean 'resnet'? built-in models are gpt, resnet"),
         (["plan", *MLP, "--budget", "1B"], "error: plan: budget 1B is below the smallest feasible peak"),
-        (["plan", *MLP, "--budget", "lots"], "error: size: cannot read 'lots'"),
+        (["plan", *MLP, "--budget", "lots"], "error: budget: cannot read 'lots'"),
         (["bench", *MLP, "--strategy", "every_nth(0)"], "error: strategy every_nth: n=0 is invalid"),
-        (["bench", "no_such_module:fn"], "error: model: cannot import 'no_such_module:fn'"),
+        (["bench", "no_such_module:fn"], "error: model: no module 'no_such_module' (from 'no_such_module:fn')"),
         (["bench", "mlp", "--set", "depth"], "error: --set: cannot read 'depth'"),
         (["measure", "mlp", "--plan", "/no/such/plan.json"], "error: cannot read '/no/such/plan.json'"),
         (["measure", "mlp", "--plan", "/dev/null"], "error: plan json: not valid JSON"),
         (["bench", "tests.cli.factory:broken"], "error: model: tests.cli.factory:broken() raised ValueError: boom"),
         (["bench", "tests.cli.factory:mismatched"], "error: RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
         (["profile", *MLP, "--out", "/no/such/dir/p.json"], "error: cannot write '/no/such/dir/p.json'"),
-        (["bench", *MLP, "--rounds", "0"], "error: bench: rounds=0 must be an integer >= 1"),
+        (["bench", *MLP, "--rounds", "0"], "error: --rounds 0: must be an integer >= 1"),
         (["bench", *MLP, "--strategy", "named([['zz']])"], "error: strategy named: [['zz']] are not blocks here"),
-        (["plan", *MLP, "--budget", "1e400"], "error: size: '1e400' is negative, infinite or not a number"),
+        (["plan", *MLP, "--budget", "1e400"], "error: budget: '1e400' is negative, infinite or not a number"),
     ],
 )
 def test_user_mistakes_print_one_error_line_and_exit_1(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -84,3 +96,250 @@ def test_user_mistakes_print_one_error_line_and_exit_1(argv: list[str], message:
 def test_python_dash_m_entry_point() -> None:
     done = subprocess.run([sys.executable, "-m", "remat", "--help"], capture_output=True, text=True, check=False)
     assert done.returncode == 0 and "bench" in done.stdout and "report" in done.stdout
+
+
+# --- validate before measuring ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def nothing_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every subcommand's profile, measurement and bench raise if called: a mistake must be caught first."""
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("measured before checking the arguments")
+
+    for module in ("bench", "plan", "profile", "report"):
+        monkeypatch.setattr(f"remat.cli.{module}.run_profile", forbidden)
+    monkeypatch.setattr("remat.cli.measure.run_measure", forbidden)
+    monkeypatch.setattr("remat.cli.bench.compare", forbidden)
+    monkeypatch.setattr("remat.cli.report.compare", forbidden)
+
+
+@pytest.fixture
+def remat_files(tmp_path: Path) -> dict[str, str]:
+    """A profile-like and a plan-like JSON file (enough for the CLI to tell which is which)."""
+    prof, plan = tmp_path / "profile.json", tmp_path / "plan.json"
+    prof.write_text(json.dumps({"schema_version": 1, "model": "m", "block_profiles": []}))
+    plan.write_text(json.dumps({"schema_version": 1, "strategy": "full", "blocks": [], "ops": []}))
+    return {"profile": str(prof), "plan": str(plan)}
+
+
+FAST_MISTAKES = [
+    (["bench", "--budget", "150%"], "error: budget: share '150%' is outside (0%, 100%]; 100% is the unplanned peak itself"),
+    (["bench", "--budget", "-1GiB"], "error: budget: '-1GiB' is negative; give a size >= 0 such as '1.5GiB' or a share"),
+    (["plan", "--budget", "40"], "error: budget: '40' has no unit, so it means 40 bytes; did you mean '40%'?"),
+    (["report", "--budget", "0.4"], "error: budget: '0.4' has no unit, so it means 0 bytes; did you mean '40%'?"),
+    (["bench", "--rounds", "0"], "error: --rounds 0: must be an integer >= 1; e.g. --rounds 5"),
+    (["report", "--budget", "40%", "--rounds", "-2"], "error: --rounds -2: must be an integer >= 1"),
+    (["profile", "--repeats", "0"], "error: --repeats 0: must be an integer >= 1"),
+    (["measure", "--steps", "0"], "error: --steps 0: must be an integer >= 1"),
+    (["bench", "--strategy", "every_nt(2)"], "error: --strategy 'every_nt(2)': unknown strategy 'every_nt'; did you mean 'every_nth'? valid strategies are none, full, every_nth"),
+    (["bench", "--strategy", "every_nth(0)"], "error: strategy every_nth: n=0 is invalid"),
+    (["bench", *MLP, "--strategy", "selective([0, 9])"], "error: strategy selective: indices [9] are out of range for 5 blocks"),
+    (["bench", *MLP, "--strategy", "named([['zz']])"], "error: strategy named: [['zz']] are not blocks here"),
+    (["measure", "--plan", "{profile}"], "error: --plan '{profile}': this is a profile file (from `remat profile`), not a plan; make a plan from it with `remat plan MODEL --budget 40% --profile {profile}`"),
+    (["plan", "--budget", "40%", "--profile", "{plan}"], "error: --profile '{plan}': this is a plan file (from `remat plan`), not a profile; pass a profile.json"),
+    (["bench", "resnet50"], "error: model: unknown built-in 'resnet50'; did you mean 'resnet'?"),
+    (["bench", "gpt", "--set", "depth=3"], "error: --set: model 'gpt' has no size 'depth'; its keys are n_layers, d_model"),
+    (["bench", "mymodel:convnet"], "error: model: no module 'mymodel' (from 'mymodel:convnet') in "),
+    (["bench", "./mymodel.py:convnet"], "error: model: no file './mymodel.py' (from './mymodel.py:convnet') in "),
+]
+
+
+@pytest.mark.usefixtures("nothing_measured")
+@pytest.mark.parametrize(("argv", "message"), FAST_MISTAKES, ids=[" ".join(a) for a, _ in FAST_MISTAKES])
+def test_mistakes_fail_before_any_measuring(
+    argv: list[str], message: str, remat_files: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [a.format(**remat_files) for a in argv]
+    start = time.perf_counter()
+    assert main(argv) == 1
+    assert time.perf_counter() - start < 5.0
+    err = capsys.readouterr().err
+    assert err.startswith(message.format(**remat_files)), err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_budget_at_the_plain_peak_says_nothing_needs_checkpointing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prof_path = tmp_path / "profile.json"
+    assert main(["profile", *MLP, "--repeats", "1", "--out", str(prof_path)]) == 0
+    assert main(["plan", *MLP, "--budget", "100%", "--profile", str(prof_path), "--out", str(tmp_path / "plan.json")]) == 0
+    assert "budget 100% is at or above the unplanned peak" in capsys.readouterr().out
+
+
+# --- first five minutes --------------------------------------------------------------------------
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith("remat 0.")
+
+
+@pytest.mark.parametrize("argv", [["-v", "bench"], ["bench", "-v"], ["bench", "mlp", "--verbose"]])
+def test_verbose_anywhere(argv: list[str]) -> None:
+    assert build_parser().parse_args(argv).verbose is True
+    assert build_parser().parse_args(["bench"]).verbose is False
+
+
+def test_verbose_after_the_subcommand_shows_the_traceback() -> None:
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
+        main(["profile", "tests.cli.factory:mismatched", "-v"])
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"]])
+def test_help_lists_models_their_sizes_and_strategies(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(argv)
+    out = capsys.readouterr().out
+    assert "gpt (default): n_layers=8 d_model=128" in out
+    assert all(f"  {name}" in out for name in WORKLOADS)
+    assert "mlp: widths=(128, 512, 192, ...) activation='gelu'" in out
+    assert all(name in out for name in STRATEGIES) and "every_nth(n)" in out
+
+
+def test_help_fits_100_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert max(map(len, capsys.readouterr().out.splitlines())) <= 100
+
+
+FACTORY = """
+import torch
+from torch import nn
+
+
+def make(width=8):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(3)]), torch.randn(2, width), lambda out: out.sum()
+"""
+
+
+@pytest.fixture
+def own_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The current directory holds own_factory_<test>.py; sys.path and sys.modules are restored afterwards."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    return tmp_path
+
+
+def test_module_function_from_the_current_directory(own_folder: Path) -> None:
+    (own_folder / "own_cwd.py").write_text(FACTORY)
+    w = load_workload("own_cwd:make", ["width=4"])
+    assert w.inputs.shape == (2, 4) and w.description == "own_cwd:make"
+
+
+def test_file_path_function(own_folder: Path, tmp_path: Path) -> None:
+    (own_folder / "sub").mkdir()
+    (own_folder / "sub" / "own_file.py").write_text(FACTORY)
+    assert main(["bench", "./sub/own_file.py:make", "--strategy", "full", "--rounds", "1", "--json", "b.json"]) == 0
+    assert [r["label"] for r in json.loads((own_folder / "b.json").read_text())["rows"]] == ["none", "full"]
+
+
+@pytest.mark.parametrize(
+    ("source", "spec", "message"),
+    [
+        (FACTORY, "./own_err.py:build", "model: './own_err.py' has no function 'build'; functions defined there: make"),
+        ("import not_installed_pkg\n", "own_err:make", "model: importing 'own_err' failed: No module named 'not_installed_pkg'"),
+        ("raise KeyError('x')\n", "./own_err.py:make", "model: loading './own_err.py' raised KeyError: 'x'; fix that file"),
+    ],
+)
+def test_factory_import_errors_name_the_fix(own_folder: Path, source: str, spec: str, message: str) -> None:
+    (own_folder / "own_err.py").write_text(source)
+    with pytest.raises(RematError, match=re.escape(message)):
+        load_workload(spec, [])
+
+
+# --- honest timings by default ------------------------------------------------------------------
+
+
+def test_the_remat_program_reexecutes_with_the_timing_environment_keeping_the_users_values() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in TIMING_ENV and k != "_REMAT_TIMING_ENV"}
+    env["OMP_WAIT_POLICY"] = "ACTIVE"  # the user's own choice is kept
+    cmd = [sys.executable, "-m", "remat", "profile", "tests.cli.factory:timing_env"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    assert done.returncode == 1
+    assert "raised ValueError: OMP_WAIT_POLICY=ACTIVE,MALLOC_TOP_PAD_=0" in done.stderr, done.stderr
+
+
+def test_reexec_happens_once_and_only_when_something_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, str]] = []
+    monkeypatch.setattr(os, "execve", lambda path, args, env: calls.append(env))
+    for k in TIMING_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("_REMAT_TIMING_ENV", "1")  # already re-executed once: never again
+    main_module._reexec_with_timing_env()
+    assert calls == []
+    monkeypatch.delenv("_REMAT_TIMING_ENV")
+    main_module._reexec_with_timing_env()
+    assert len(calls) == 1 and all(calls[0][k] == v for k, v in TIMING_ENV.items())
+    for k, v in TIMING_ENV.items():
+        monkeypatch.setenv(k, v)
+    main_module._reexec_with_timing_env()
+    assert len(calls) == 1
+
+
+def test_main_called_from_python_never_reexecutes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "execve", lambda *a: pytest.fail("main(argv) re-executed the caller's process"))
+    for k in TIMING_ENV:
+        monkeypatch.delenv(k, raising=False)
+    assert main(["profile", "tests.cli.factory:broken"]) == 1
+
+
+# --- noise warning ---------------------------------------------------------------------------------
+
+
+def _fake_timer(monkeypatch: pytest.MonkeyPatch, times_ms: list[float]) -> None:
+    order = iter(times_ms)
+    monkeypatch.setattr(compare_module, "timed_steps", lambda step, device, repeats: [next(order)])
+
+
+def test_bench_warns_when_the_spread_is_too_large_to_rank(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # none, full per round: the issue's 2-3x scatter; full is only ~7% slower than none.
+    _fake_timer(monkeypatch, [310, 150, 131, 330, 168, 180, 267, 290, 148, 160])
+    assert main(["bench", "tests.cli.factory:make", "--strategy", "full", "--rounds", "5"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the caption wraps at the table's width
+    # spreads: none (267 - 148) / 168 = 71%, full (290 - 160) / 180 = 72%; medians 168 and 180 ms: 7% apart
+    warning = (
+        "WARNING: timings too noisy to rank the plans: run-to-run spread 72% (interquartile range / median) "
+        "is larger than the typical difference between plans (7%)"
+    )
+    assert out.count(warning) == 2  # in the table's caption and in the summary below it
+
+
+def test_bench_does_not_warn_on_steady_timings(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _fake_timer(monkeypatch, [100, 130, 101, 131, 99, 129])
+    assert main(["bench", "tests.cli.factory:make", "--strategy", "full", "--rounds", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING" not in out and "0.0%" in out
+
+
+def _row(label: str, step_ms: float, spread: float, peak: int, budget: int | None = None) -> BenchRow:
+    return BenchRow(
+        label=label, checkpointed=0, n_blocks=4, depth=1, peak_bytes=peak, step_ms=step_ms, step_ms_all=(step_ms,),
+        saved_pct=0.0, overhead_pct=0.0, grads_equal=True, forward_counts={}, predicted_peak_bytes=peak,
+        predicted_extra_ms=0.0, budget_bytes=budget, ops="", spread_pct=spread,
+    )  # fmt: skip
+
+
+def test_summary_claims_fastest_only_beyond_the_spread() -> None:
+    mib = 2**20
+    rows = (
+        _row("none", 100.0, 2.0, 100 * mib),
+        _row("full", 140.0, 2.0, 30 * mib),
+        _row("sqrt", 120.0, 2.0, 45 * mib),
+        _row("optimal @ 50%", 110.0, 2.0, 48 * mib, budget=50 * mib),
+        _row("knapsack @ 50%", 111.0, 2.0, 49 * mib, budget=50 * mib),
+    )
+    result = BenchResult(model="m", device="cpu", held_bytes=0, rounds=5, rows=rows)
+    [line] = budget_verdicts(result)
+    # knapsack is 0.9% slower, within the 2% spread: no "fastest" claim, and it is named.
+    assert line.endswith("no faster plan fits, but knapsack @ 50% (111.0ms) is within the run-to-run spread (spreads up to 2%): not ranked")
+    faster_knapsack = rows[:4] + (_row("knapsack @ 50%", 90.0, 2.0, 49 * mib, budget=50 * mib),)
+    [line] = budget_verdicts(BenchResult(model="m", device="cpu", held_bytes=0, rounds=5, rows=faster_knapsack))
+    assert line.endswith("-> slower than knapsack @ 50% (90.0ms)")
+    alone = rows[:3] + (_row("optimal @ 50%", 110.0, 2.0, 48 * mib, budget=50 * mib),)
+    [line] = budget_verdicts(BenchResult(model="m", device="cpu", held_bytes=0, rounds=5, rows=alone))
+    assert line.endswith("-> fastest of all that fit")

@@ -11,6 +11,7 @@ from torch import nn
 from remat.apply.runtime import install, run_function, uninstall
 from remat.blocks import Block, fingerprint, resolve
 from remat.blocks import blocks as find_blocks
+from remat.distributed import unwrap
 from remat.errors import BlockSelectionError, PlanMismatchError, RematError
 from remat.plan.chain import validate_ops
 from remat.plan.strategies import Strategy, _Named
@@ -104,6 +105,9 @@ def apply(
     try:
         members = resolve(model, plan.blocks)
     except BlockSelectionError as e:
+        if unwrap(model) is not model:
+            # A plan made on the model a DDP wrapper holds (NOTE [ Wrapped models ] in remat.distributed).
+            return apply(unwrap(model), plan, allow_stateful=allow_stateful)
         raise PlanMismatchError(f"apply: the plan ({plan.strategy}) does not fit this model: {e}") from None
     if plan.fingerprint is not None:
         # "<blocks>.<run>" (remat.blocks.fingerprint); a plan written before <run> existed has only <blocks>.
@@ -132,13 +136,19 @@ def apply(
     return plan
 
 
+def _holder(model: nn.Module) -> nn.Module:
+    # The module whose __dict__ holds the applied plan: a DDP wrapper's module when the plan was made
+    # on the unwrapped model (NOTE [ Wrapped models ] in remat.distributed).
+    return model if _APPLIED_ATTR in model.__dict__ else unwrap(model)
+
+
 def remove(model: nn.Module) -> Plan | None:
     """Undo :func:`apply`: every module gets its original ``forward`` back.
 
     Returns:
         The plan that was removed, or ``None`` if none was applied.
     """
-    entry = model.__dict__.pop(_APPLIED_ATTR, None)
+    entry = _holder(model).__dict__.pop(_APPLIED_ATTR, None)
     if entry is None:
         return None
     uninstall(entry[1])
@@ -146,15 +156,15 @@ def remove(model: nn.Module) -> Plan | None:
 
 
 def applied(model: nn.Module) -> Plan | None:
-    """The plan currently applied to ``model``, if any."""
-    entry = model.__dict__.get(_APPLIED_ATTR)
+    """The plan currently applied to ``model`` (or to the module a DDP wrapper holds), if any."""
+    entry = _holder(model).__dict__.get(_APPLIED_ATTR)
     return entry[0] if entry else None
 
 
 @contextlib.contextmanager
 def _suspended(model: nn.Module) -> Iterator[Plan | None]:
     """Temporarily remove an applied plan (e.g. to profile the plain model), then put it back."""
-    entry = model.__dict__.get(_APPLIED_ATTR)
+    entry = _holder(model).__dict__.get(_APPLIED_ATTR)
     allow_stateful = bool(entry[2]) if entry is not None and len(entry) > 2 else False
     plan = remove(model)
     try:

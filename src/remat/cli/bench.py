@@ -8,11 +8,23 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from remat.cli.common import add_model_args, console, load_workload, write_file
+from remat.cli.common import (
+    add_model_args,
+    check_budgets,
+    check_model,
+    check_positive,
+    check_strategies_fit,
+    console,
+    load_workload,
+    note_high_budgets,
+    parse_strategies,
+    strategies_help,
+    write_file,
+)
 from remat.errors import BudgetInfeasibleError
 from remat.measure.compare import compare
 from remat.plan import plan as make_plan
-from remat.plan.strategies import bench_strategies, parse_strategy
+from remat.plan.strategies import Strategy, bench_strategies, parse_strategy
 from remat.plan.types import Plan
 from remat.profile import Profile
 from remat.profile import profile as run_profile
@@ -26,6 +38,7 @@ log = logging.getLogger(__name__)
 def add_parser(p: argparse.ArgumentParser) -> None:
     """Arguments of ``remat bench``."""
     add_model_args(p)
+    p.epilog = f"{p.epilog}\n\n{strategies_help()}"
     p.add_argument(
         "--budget",
         action="append",
@@ -43,13 +56,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plots", type=Path, default=None, help="write the charts (PNG) into this directory")
 
 
-def _plans(args: argparse.Namespace, prof: Profile) -> list[Plan]:
-    strategies = [parse_strategy(s) for s in args.strategy] or bench_strategies(prof.blocks, prof)
+def _plans(prof: Profile, chosen: list[Strategy], budgets: list[str]) -> list[Plan]:
+    strategies = list(chosen) or bench_strategies(prof.blocks, prof)
     if not any(s.name == "none" for s in strategies):
         strategies.insert(0, parse_strategy("none"))
     strategies.sort(key=lambda s: s.name != "none")
     plans = [make_plan(prof, strategy=s) for s in strategies]
-    for b in args.budget:
+    for b in budgets:
         for solver in ("optimal", "knapsack"):
             try:
                 p = make_plan(prof, b, solver=solver)
@@ -60,12 +73,27 @@ def _plans(args: argparse.Namespace, prof: Profile) -> list[Plan]:
     return plans
 
 
+def check(args: argparse.Namespace) -> None:
+    """Every mistake that can be seen without building the model, caught before anything is measured."""
+    check_positive("--rounds", args.rounds)
+    check_budgets(args.budget)
+    parse_strategies(args.strategy)
+    check_model(args.model, args.sizes)
+    if args.plots is not None:
+        from remat.report.plots import _require_matplotlib
+
+        _require_matplotlib()  # fail before minutes of measuring, not after
+
+
 def run(args: argparse.Namespace) -> int:
     """Profile, build the plans, measure them interleaved, print the table, write JSON (and plots)."""
+    strategies = parse_strategies(args.strategy)
     w = load_workload(args.model, args.sizes)
+    check_strategies_fit(strategies, w.model)  # blocks a strategy names, before the profile
     with console.status(f"profiling {w.description}"):
         prof = run_profile(w.model, w.inputs, w.loss_fn)
-    plans = _plans(args, prof)
+    note_high_budgets(args.budget, prof)
+    plans = _plans(prof, strategies, args.budget)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("measuring", total=len(plans) + args.rounds)

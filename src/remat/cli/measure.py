@@ -6,10 +6,9 @@ import argparse
 from pathlib import Path
 
 from remat.apply import apply, remove
-from remat.cli.common import add_model_args, console, load_workload, read_file, write_file
+from remat.cli.common import add_model_args, check_model, check_positive, console, load_workload, read_plan, write_file
 from remat.measure import check_gradients
 from remat.measure import measure as run_measure
-from remat.plan.types import Plan
 from remat.units import format_bytes, format_ms
 
 HELP = "apply a plan (plan.json) to the model and measure real training steps against the plain model"
@@ -23,14 +22,26 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("measure.json"), help="where to write the figures (default measure.json)")
 
 
+def check(args: argparse.Namespace) -> None:
+    """Every mistake that can be seen without building the model, caught before anything is measured."""
+    check_positive("--steps", args.steps)
+    if args.plan is not None:
+        read_plan(args.plan)
+    check_model(args.model, args.sizes)
+
+
 def run(args: argparse.Namespace) -> int:
     """Measure the plain model and the planned one in the same run; print ratios; write the JSON."""
+    # A bad plan file, or a plan for other blocks, is reported (one error line) before anything is measured.
+    plan = read_plan(args.plan) if args.plan is not None else None
     w = load_workload(args.model, args.sizes)
+    if plan is not None:
+        apply(w.model, plan)
+        remove(w.model)
     plain = run_measure(w.model, w.inputs, w.loss_fn, steps=args.steps)
-    if args.plan is None:
+    if plan is None:
         result = plain
     else:
-        plan = Plan.from_json(read_file(args.plan))
         apply(w.model, plan)
         try:
             result = run_measure(w.model, w.inputs, w.loss_fn, steps=args.steps)
@@ -45,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
             f"{'bitwise equal' if check.equal and check.exact else 'equal' if check.equal else 'DIFFER: ' + ', '.join(check.mismatched[:3])}"
         )
         console.print(f"forward runs per block: {result.forward_counts}")
-    if args.plan is None:
+    if plan is None:
         console.print(f"plain: peak {format_bytes(plain.peak_bytes)} above {format_bytes(plain.held_bytes)} held; step {format_ms(plain.step_ms)}")
     write_file(args.out, result.to_json())
     console.print(f"wrote {args.out}")

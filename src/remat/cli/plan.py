@@ -5,11 +5,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from remat.cli.common import add_model_args, console, load_workload, read_file, write_file
+from remat.cli.common import (
+    add_model_args,
+    check_budgets,
+    check_model,
+    console,
+    load_workload,
+    note_high_budgets,
+    read_profile,
+    write_file,
+)
 from remat.plan import SOLVERS
 from remat.plan import plan as make_plan
 from remat.plan.strategies import full, none
-from remat.profile import Profile
 from remat.profile import profile as run_profile
 from remat.report.tables import plan_tree, plans_table
 
@@ -25,14 +33,23 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("plan.json"), help="where to write the plan (default plan.json)")
 
 
+def check(args: argparse.Namespace) -> None:
+    """Every mistake that can be seen without building the model, caught before anything is measured."""
+    check_budgets([args.budget])
+    if args.profile is not None:
+        read_profile(args.profile)
+    check_model(args.model, args.sizes)
+
+
 def run(args: argparse.Namespace) -> int:
     """Profile (or read a profile), solve, print the tree and the comparison, write the JSON."""
-    w = load_workload(args.model, args.sizes)
     if args.profile is not None:
-        prof = Profile.from_json(read_file(args.profile))
+        prof = read_profile(args.profile)  # the model is not built: the profile holds all the solver reads
     else:
+        w = load_workload(args.model, args.sizes)
         with console.status(f"profiling {w.description}"):
             prof = run_profile(w.model, w.inputs, w.loss_fn)
+    note_high_budgets([args.budget], prof)
     chosen = make_plan(prof, args.budget, solver=args.solver)
     console.print(plan_tree(chosen))
     console.print(plans_table([make_plan(prof, strategy=none()), make_plan(prof, strategy=full()), chosen]))

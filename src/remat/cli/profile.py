@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from remat.cli.common import add_model_args, console, load_workload, write_file
+from remat.cli.common import add_model_args, check_model, check_positive, console, load_workload, write_file
 from remat.profile import profile as run_profile
 from remat.report.tables import profile_table
 
@@ -17,6 +17,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--repeats", type=int, default=5, help="timed steps per block (median), default 5")
     p.add_argument("--out", type=Path, default=Path("profile.json"), help="where to write the profile (default profile.json)")
+
+
+def check(args: argparse.Namespace) -> None:
+    """Every mistake that can be seen without building the model, caught before anything is measured."""
+    check_positive("--repeats", args.repeats)
+    check_model(args.model, args.sizes)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,8 +10,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from remat.apply import apply, remove
 from remat.cli.bench import _plans
-from remat.cli.common import add_model_args, console, load_workload
-from remat.errors import RematError
+from remat.cli.common import (
+    add_model_args,
+    check_budgets,
+    check_model,
+    check_positive,
+    console,
+    load_workload,
+    note_high_budgets,
+)
 from remat.measure.compare import compare
 from remat.measure.timeline import Timeline, timeline
 from remat.plan import frontier
@@ -40,19 +47,26 @@ def _command(args: argparse.Namespace) -> str:
     return shlex.join(words)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Profile, plan, bench every strategy, record timelines, draw the charts, write HTML and Markdown."""
-    if args.rounds < 1:
-        raise RematError(f"report: --rounds {args.rounds} must be >= 1")
-    from remat.report import write_charts, write_report
+def check(args: argparse.Namespace) -> None:
+    """Every mistake that can be seen without building the model, caught before anything is measured."""
+    check_positive("--rounds", args.rounds)
+    check_budgets([args.budget])
+    check_model(args.model, args.sizes)
     from remat.report.plots import _require_matplotlib
 
     _require_matplotlib()  # fail before minutes of measuring, not after
+
+
+def run(args: argparse.Namespace) -> int:
+    """Profile, plan, bench every strategy, record timelines, draw the charts, write HTML and Markdown."""
+    from remat.report import write_charts, write_report
+
     w = load_workload(args.model, args.sizes)
     with console.status(f"profiling {w.description}"):
         prof = run_profile(w.model, w.inputs, w.loss_fn)
+    note_high_budgets([args.budget], prof)
     make_plan(prof, args.budget)  # an infeasible budget stops here, with the smallest feasible peak
-    plans = _plans(argparse.Namespace(strategy=[], budget=[args.budget]), prof)
+    plans = _plans(prof, [], [args.budget])
     chosen = next(p for p in plans if p.strategy.startswith("optimal"))
     by_label = {p.strategy: p for p in plans}
     recorded: list[Plan] = [by_label["none"], by_label.get("full") or make_plan(prof, strategy=full()), chosen]

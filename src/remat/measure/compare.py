@@ -3,11 +3,22 @@
 Timings are interleaved (round r runs every plan once before round r + 1 starts) and reported as
 medians, so slow drifts of the machine hit every plan alike; peaks come from one profiled step each;
 every plan's gradients are compared with the plain model's.
+
+# NOTE [ Timing noise ]
+A median hides how much the rounds disagreed. Each plan's *spread* is the interquartile range of its
+per-round step times over their median (percent; ``None`` with a single round, where it cannot be
+measured). Two plans are *separable* when their medians differ by more than the larger of their two
+spreads; only then may a table or summary say that one is faster. The bench as a whole cannot rank
+its plans when the typical spread (median over plans) is larger than the typical difference between
+two plans (median over all pairs of the relative difference of their medians); the tables then
+print a warning with both figures. On a busy machine the spread is tens of percent and every
+ranking is noise; on an idle one it is a few percent.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
@@ -32,7 +43,7 @@ from remat.measure.trace import (
 )
 from remat.plan.types import Plan
 
-__all__ = ["BenchRow", "BenchResult", "compare"]
+__all__ = ["BenchRow", "BenchResult", "compare", "spread_pct", "separable"]
 
 Progress = Callable[[str], None]
 
@@ -57,6 +68,8 @@ class BenchRow:
         predicted_extra_ms: The plan's predicted recompute time, milliseconds.
         budget_bytes: The budget the plan was solved for, bytes.
         ops: The plan in compact form.
+        spread_pct: Run-to-run spread of the step time: interquartile range over median of
+            ``step_ms_all``, percent (``None`` with one round); see NOTE [ Timing noise ].
     """
 
     label: str
@@ -74,6 +87,25 @@ class BenchRow:
     predicted_extra_ms: float | None
     budget_bytes: int | None
     ops: str
+    spread_pct: float | None = None
+
+
+def spread_pct(times_ms: Sequence[float]) -> float | None:
+    """Interquartile range over median of per-round times, percent (``None`` for fewer than 2 times).
+
+    See NOTE [ Timing noise ].
+    """
+    if len(times_ms) < 2:
+        return None
+    q1, q2, q3 = statistics.quantiles(times_ms, n=4, method="inclusive")
+    return 100.0 * (q3 - q1) / q2 if q2 > 0 else None
+
+
+def separable(a: BenchRow, b: BenchRow) -> bool:
+    """Whether the medians of ``a`` and ``b`` differ by more than the larger of their spreads (NOTE [ Timing noise ])."""
+    if a.spread_pct is None or b.spread_pct is None or min(a.step_ms, b.step_ms) <= 0:
+        return False
+    return 100.0 * abs(a.step_ms - b.step_ms) / min(a.step_ms, b.step_ms) > max(a.spread_pct, b.spread_pct)
 
 
 @dataclass(frozen=True)
@@ -96,9 +128,29 @@ class BenchResult:
     rounds: int
     rows: tuple[BenchRow, ...]
 
+    @property
+    def noise_pct(self) -> float | None:
+        """The typical run-to-run spread: median over plans of their spreads, percent (``None``: one round)."""
+        spreads = [r.spread_pct for r in self.rows if r.spread_pct is not None]
+        return statistics.median(spreads) if spreads else None
+
+    @property
+    def difference_pct(self) -> float | None:
+        """The typical difference between two plans: median over pairs of ``|a - b| / min(a, b)``, percent."""
+        ms = [r.step_ms for r in self.rows if r.step_ms > 0]
+        diffs = [100.0 * abs(a - b) / min(a, b) for i, a in enumerate(ms) for b in ms[i + 1 :]]
+        return statistics.median(diffs) if diffs else None
+
+    @property
+    def rankable(self) -> bool:
+        """Whether the step times can rank the plans: the typical spread is below the typical difference."""
+        noise, diff = self.noise_pct, self.difference_pct
+        return diff is None or (noise is not None and noise < diff)
+
     def to_json(self) -> str:
-        """Serialise to a JSON string (with ``schema_version``)."""
-        return json.dumps({"schema_version": self.schema_version, **asdict(self)}, indent=2)
+        """Serialise to a JSON string (with ``schema_version``, and the noise figures of NOTE [ Timing noise ])."""
+        noise = {"noise_pct": self.noise_pct, "difference_pct": self.difference_pct, "rankable": self.rankable}
+        return json.dumps({"schema_version": self.schema_version, **asdict(self), **noise}, indent=2)
 
 
 def compare(
@@ -195,6 +247,7 @@ def compare(
                 predicted_extra_ms=plan.predicted_extra_ms,
                 budget_bytes=plan.budget_bytes,
                 ops=plan.describe(),
+                spread_pct=spread_pct(times[i]),
             )
         )
     return BenchResult(model=description, device=dev.type, held_bytes=held, rounds=rounds, rows=tuple(rows))

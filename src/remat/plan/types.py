@@ -6,9 +6,9 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
-from remat._json import load
-from remat.blocks import Block, LayerType
-from remat.plan.chain import Keep, Op, Recompute, RecomputeSub, ops_from_json, ops_repr, ops_to_json
+from remat._json import Reader, load
+from remat.blocks import Block
+from remat.plan.chain import Keep, Op, Recompute, RecomputeSub, ops_from_json, ops_repr, ops_to_json, validate_ops
 from remat.units import format_bytes, format_ms
 
 __all__ = ["Plan", "block_to_json", "block_from_json"]
@@ -21,17 +21,13 @@ def block_to_json(b: Block) -> dict[str, Any]:
     return d
 
 
-def block_from_json(d: dict[str, Any]) -> Block:
-    """Inverse of :func:`block_to_json`."""
-    return Block(
-        index=int(d["index"]),
-        fqns=tuple(d["fqns"]),
-        type_hint=LayerType(d["type_hint"]),
-        class_name=d["class_name"],
-        attention_fqns=tuple(d.get("attention_fqns", ())),
-        ffn_fqns=tuple(d.get("ffn_fqns", ())),
-        param_bytes=int(d.get("param_bytes", 0)),
-    )
+def block_from_json(d: dict[str, Any], reader: Reader | None = None, path: str = "block") -> Block:
+    """Inverse of :func:`block_to_json`.
+
+    Raises:
+        RematError: If a field is missing or of the wrong type (``reader`` names the file, ``path`` the block).
+    """
+    return (reader or Reader("block")).build(Block, d, path)
 
 
 @dataclass(frozen=True)
@@ -126,23 +122,21 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        """Read a plan written by :meth:`to_json`.
+        """Read a plan written by :meth:`to_json` (NOTE [ One loading policy ] in ``remat._json``).
 
         Raises:
-            RematError: If the text is not a plan of this schema version.
+            RematError: If the text is not a plan of this schema version, lacks or mistypes a field,
+                lists its blocks out of order, or its operations do not cover every block once, in
+                order (``remat.plan.chain.validate_ops``).
         """
-        data = load(text, "plan", cls.schema_version)
-        return cls(
-            strategy=data["strategy"],
-            blocks=tuple(block_from_json(b) for b in data["blocks"]),
-            ops=ops_from_json(data["ops"]),
-            fingerprint=data.get("fingerprint"),
-            budget_bytes=data.get("budget_bytes"),
-            predicted_peak_bytes=data.get("predicted_peak_bytes"),
-            predicted_extra_ms=data.get("predicted_extra_ms"),
-            baseline_peak_bytes=data.get("baseline_peak_bytes"),
-            baseline_step_ms=data.get("baseline_step_ms"),
-        )
+        reader = Reader("plan", "make the plan again with remat.plan(...).to_json() or `remat plan MODEL --out plan.json`")
+        data = load(text, reader, cls.schema_version)
+        plan = reader.build(cls, data, convert={"ops": lambda r, v, at: ops_from_json(v, r, at)})
+        for i, b in enumerate(plan.blocks):
+            if b.index != i:
+                raise reader.error(f"blocks[{i}].index", f"is {b.index}, expected {i} (blocks are listed in forward order from 0)")
+        validate_ops(plan.ops, len(plan.blocks), block_fqns=[b.fqns for b in plan.blocks], source="plan json: ops")
+        return plan
 
 
 def single_level_ops(n: int, checkpointed: set[int] | frozenset[int]) -> tuple[Op, ...]:

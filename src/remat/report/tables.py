@@ -2,18 +2,39 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
+from rich import box
 from rich.table import Table
 from rich.tree import Tree
 
-from remat.measure.compare import BenchResult
+from remat.measure.compare import BenchResult, BenchRow, separable
 from remat.plan.chain import Keep, Op, Recompute, RecomputeSub
 from remat.plan.types import Plan
 from remat.profile.types import Profile
 from remat.units import format_bytes, format_ms
 
-__all__ = ["PROFILE_HEADERS", "profile_rows", "BENCH_HEADERS", "bench_rows", "ratio_pct", "profile_table", "plan_tree", "plans_table", "bench_table", "budget_verdicts", "mib"]
+__all__ = [
+    "PROFILE_HEADERS",
+    "profile_rows",
+    "BENCH_HEADERS",
+    "bench_rows",
+    "ratio_pct",
+    "profile_table",
+    "plan_tree",
+    "plans_table",
+    "bench_table",
+    "budget_verdicts",
+    "noise_warning",
+    "short_label",
+    "mib",
+]
+
+# NOTE [ Terminal tables ]
+# The terminal tables must stay readable at 100 columns: they use short headers with the unit in the
+# caption, a border-less box, and leave out columns that the JSON and the HTML report carry (predicted
+# peak and step in the bench). The HTML and Markdown tables use the full headers.
 
 
 def mib(n: int | float | None) -> str:
@@ -48,14 +69,24 @@ def profile_rows(profile: Profile) -> list[list[str]]:
     ]
 
 
+# Terminal headers of the profile table, one per PROFILE_HEADERS entry (NOTE [ Terminal tables ]).
+_PROFILE_SHORT = ("#", "block", "type", "in", "out", "saved", "fwd tmp", "bwd peak", "fwd ms", "bwd ms", "GFLOP")
+
+
 def profile_table(profile: Profile) -> Table:
-    """One row per block: type, input/output/saved bytes, transients, times and FLOPs."""
-    t = Table(title=f"{profile.model} on {profile.device}: {len(profile.blocks)} blocks", title_justify="left")
-    for col in PROFILE_HEADERS:
+    """One row per block: type, input/output/saved bytes, transients, times and FLOPs (fits 100 columns)."""
+    t = Table(
+        title=f"{profile.model} on {profile.device}: {len(profile.blocks)} blocks",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        caption_justify="left",
+    )
+    for col in _PROFILE_SHORT:
         t.add_column(col, justify="left" if col in ("block", "type") else "right")
     for row in profile_rows(profile):
         t.add_row(*row)
     t.caption = (
+        f"sizes in MiB (saved: kept for backward; tmp: transient); GFLOP of the forward\n"
         f"unplanned peak {format_bytes(profile.peak_bytes)} above {format_bytes(profile.held_bytes)} held; "
         f"step {format_ms(profile.step_ms)}; blocks form a chain: {'yes' if profile.is_chain else 'no'}"
     )
@@ -83,9 +114,9 @@ def plan_tree(plan: Plan) -> Tree:
 
 
 def plans_table(plans: Sequence[Plan]) -> Table:
-    """Predicted peak and recompute time of several plans side by side."""
-    t = Table(title="predicted", title_justify="left")
-    for col in ("plan", "checkpointed", "predicted peak MiB", "of unplanned", "predicted recompute ms", "of a step"):
+    """Predicted peak and recompute time of several plans side by side (fits 100 columns)."""
+    t = Table(title="predicted", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("plan", "ckpt", "peak MiB", "of unplanned", "recompute ms", "of a step"):
         t.add_column(col, justify="left" if col == "plan" else "right")
     for p in plans:
         base_peak, base_ms = p.baseline_peak_bytes or 0, p.baseline_step_ms or 0.0
@@ -108,6 +139,7 @@ BENCH_HEADERS = (
     "peak vs predicted",
     "budget MiB",
     "step ms",
+    "spread",
     "predicted ms",
     "memory saved",
     "time overhead",
@@ -141,6 +173,7 @@ def bench_rows(result: BenchResult, *, fits: tuple[str, str] = (" fits", " OVER"
                 ratio_pct(r.peak_bytes, r.predicted_peak_bytes),
                 budget,
                 f"{r.step_ms:.1f}",
+                "-" if r.spread_pct is None else f"{r.spread_pct:.1f}%",
                 "-" if predicted_ms is None else f"{predicted_ms:.1f}",
                 f"{r.saved_pct:.1f}%",
                 f"{r.overhead_pct:+.1f}%",
@@ -150,36 +183,107 @@ def bench_rows(result: BenchResult, *, fits: tuple[str, str] = (" fits", " OVER"
     return rows
 
 
+# Terminal columns of the bench: (short header, BENCH_HEADERS entry) (NOTE [ Terminal tables ]).
+_BENCH_SHORT = (
+    ("plan", "strategy"),
+    ("ckpt", "blocks ckpt"),
+    ("peak", "peak MiB"),
+    ("vs pred", "peak vs predicted"),
+    ("budget", "budget MiB"),
+    ("step", "step ms"),
+    ("spread", "spread"),
+    ("saved", "memory saved"),
+    ("overhead", "time overhead"),
+    ("grads", "grads equal"),
+)
+
+
+def short_label(label: str) -> str:
+    """A strategy label without parameter names, still valid for ``--strategy``: ``'every_nth(n=2)'`` -> ``'every_nth(2)'``."""
+    return re.sub(r"(?<=[(,\s])[a-z_]+=", "", label)
+
+
+def noise_warning(result: BenchResult) -> str | None:
+    """The warning when the run-to-run spread is too large to rank the plans (NOTE [ Timing noise ]), else ``None``."""
+    if result.rankable:
+        return None
+    noise, diff = result.noise_pct, result.difference_pct
+    if noise is None:
+        return (
+            f"timings not ranked: with {result.rounds} round the run-to-run spread cannot be measured; "
+            "use --rounds 5 or more"
+        )
+    return (
+        f"WARNING: timings too noisy to rank the plans: run-to-run spread {noise:.0f}% (interquartile range / median) "
+        f"is larger than the typical difference between plans ({diff or 0:.0f}%); close other programs or raise --rounds"
+    )
+
+
 def bench_table(result: BenchResult) -> Table:
-    """The bench: measured peak and time of every plan, with predictions and the gradient check."""
-    t = Table(title=f"{result.model} on {result.device}, median of {result.rounds} interleaved rounds", title_justify="left")
-    for col in BENCH_HEADERS:
-        t.add_column(col, justify="left" if col == "strategy" else "right")
+    """The bench: measured peak and time of every plan, spread, the budget and gradient checks (fits 100 columns)."""
+    t = Table(
+        title=f"{result.model} on {result.device}, median of {result.rounds} interleaved rounds",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        caption_justify="left",
+    )
+    index = {h: i for i, h in enumerate(BENCH_HEADERS)}
+    for short, _ in _BENCH_SHORT:
+        t.add_column(short, justify="left" if short == "plan" else "right")
     for row in bench_rows(result, fits=(" [green]✓[/]", " [red]✗[/]"), equal=("[green]yes[/]", "[red]NO[/]")):
-        t.add_row(*row)
-    t.caption = f"peaks are above {format_bytes(result.held_bytes)} held before the step; percentages against '{result.rows[0].label}'"
+        cells = [row[index[full]] for _, full in _BENCH_SHORT]
+        cells[0] = short_label(cells[0])
+        t.add_row(*cells)
+    base = result.rows[0].label if result.rows else "-"
+    caption = (
+        f"MiB, ms; peaks above {format_bytes(result.held_bytes)} held before the step; vs pred: measured peak against "
+        f"predicted; spread: interquartile range / median of the rounds; saved, overhead: against '{short_label(base)}'; "
+        "predicted peaks and steps in --json"
+    )
+    warning = noise_warning(result)
+    t.caption = caption + (f"\n[bold red]{warning}[/]" if warning else "")
     return t
 
 
+def _faster(a: BenchRow, b: BenchRow) -> bool:
+    # a is faster than b by more than either plan's run-to-run spread (NOTE [ Timing noise ]).
+    return a.step_ms < b.step_ms and separable(a, b)
+
+
 def budget_verdicts(result: BenchResult) -> list[str]:
-    """For each solved budget: is the optimal plan at least as fast as every seed strategy that fits it?"""
-    lines = []
-    seeds = [r for r in result.rows if r.budget_bytes is None]
+    """The summary: the noise warning when the timings cannot rank the plans, then for each solved
+    budget whether the optimal plan is faster than every other plan whose measured peak fits it.
+
+    "Faster" and "slower" are claimed only beyond the run-to-run spread (NOTE [ Timing noise ]); plans
+    within it are named as ties.
+    """
+    warning = noise_warning(result)
+    lines = [warning] if warning else []
     for r in result.rows:
         if r.budget_bytes is None or not r.label.startswith("optimal"):
             continue
-        fitting = [s for s in seeds if s.peak_bytes <= r.budget_bytes]
-        faster = [s for s in fitting if s.step_ms < r.step_ms]
+        fitting = [s for s in result.rows if s is not r and s.peak_bytes <= r.budget_bytes]
+        faster = [s for s in fitting if _faster(s, r)]
+        ties = [s for s in fitting if s not in faster and not _faster(r, s)]
+        if faster:
+            verdict = f"slower than {', '.join(f'{short_label(s.label)} ({s.step_ms:.1f}ms)' for s in faster)}"
+        elif ties:
+            spreads = [x.spread_pct for x in (r, *ties) if x.spread_pct is not None]
+            spread = f"spreads up to {max(spreads):.0f}%" if spreads else "not measured in 1 round"
+            ties.sort(key=lambda s: s.step_ms)
+            named = ", ".join(f"{short_label(s.label)} ({s.step_ms:.1f}ms)" for s in ties[:3])
+            more = f" and {len(ties) - 3} more" if len(ties) > 3 else ""
+            verdict = (
+                f"no faster plan fits, but {named}{more} {'is' if len(ties) == 1 else 'are'} within the "
+                f"run-to-run spread ({spread}): not ranked"
+            )
+        else:
+            verdict = "fastest of all that fit" if fitting else "the only plan that fits"
         best = min(fitting, key=lambda s: s.step_ms) if fitting else None
-        verdict = (
-            "fastest of all that fit"
-            if not faster
-            else f"slower than {', '.join(f'{s.label} ({s.step_ms:.1f}ms)' for s in faster)}"
-        )
         lines.append(
             f"budget {mib(r.budget_bytes)}MiB: optimal {r.step_ms:.1f}ms, measured peak {mib(r.peak_bytes)}MiB "
-            f"(predicted {mib(r.predicted_peak_bytes)}); {len(fitting)} seed strategies fit"
-            + (f", best {best.label} {best.step_ms:.1f}ms" if best else "")
+            f"(predicted {mib(r.predicted_peak_bytes)}); {len(fitting)} other plans fit"
+            + (f", best {short_label(best.label)} {best.step_ms:.1f}ms" if best else "")
             + f" -> {verdict}"
         )
     return lines
