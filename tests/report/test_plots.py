@@ -96,7 +96,15 @@ def test_decisions_show_nesting_and_sub_modules() -> None:
         RecomputeSub(3, blocks[3].attention_fqns),
     )
     plan = Plan(strategy="mixed", blocks=blocks, ops=ops)
-    assert block_decisions(plan) == ["recompute", "recompute x2", "recompute", "recompute attn"]
+    # The words of NOTE [ Plan vocabulary ]: block 1 runs again inside the segment's replay, so twice.
+    assert block_decisions(plan) == [
+        "in a recomputed segment",
+        "in a recomputed segment, twice",
+        "in a recomputed segment",
+        "kept, attention recomputed",
+    ]
+    single = Plan(strategy="mixed", blocks=blocks, ops=(Recompute(0, 1, (Keep(0),)), Keep(1), RecomputeSub(2, blocks[2].ffn_fqns), Keep(3)))
+    assert block_decisions(single) == ["recomputed", "kept", "kept, MLP recomputed", "kept"]
 
 
 @pytest.mark.parametrize(

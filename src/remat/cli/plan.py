@@ -1,8 +1,9 @@
-"""``remat plan MODEL --budget 40%``: the plan as a tree, predicted figures next to none and full, plan.json."""
+"""``remat plan MODEL --budget 40%``: the plan in words, predicted figures next to none and full, plan.json."""
 
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 from remat.cli.common import (
@@ -42,7 +43,7 @@ def check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Profile (or read a profile), solve, print the tree and the comparison, write the JSON."""
+    """Profile (or read a profile), solve, print the plan in words and the comparison, write the JSON."""
     if args.profile is not None:
         prof = read_profile(args.profile)  # the model is not built: the profile holds all the solver reads
     else:
@@ -54,5 +55,6 @@ def run(args: argparse.Namespace) -> int:
     console.print(plan_tree(chosen))
     console.print(plans_table([make_plan(prof, strategy=none()), make_plan(prof, strategy=full()), chosen]))
     write_file(args.out, chosen.to_json())
-    console.print(f"wrote {args.out}")
+    again = shlex.join(["remat", "measure", args.model, *(f"--set={item}" for item in args.sizes), "--plan", str(args.out)])
+    console.print(f"wrote {args.out}; measure it with: {again}", highlight=False)
     return 0

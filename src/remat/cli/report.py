@@ -1,4 +1,4 @@
-"""``remat report MODEL --budget 40%``: a self-contained HTML report and a Markdown summary."""
+"""``remat report MODEL --budget 40%``: a self-contained HTML report, a Markdown summary and the plan's JSON."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from remat.plan.types import Plan
 from remat.profile import profile as run_profile
 from remat.units import format_bytes
 
-HELP = "write an HTML report (plots embedded) and a Markdown summary of a model's plans"
+HELP = "write an HTML report (plots embedded), a Markdown summary and plan.json for a model's plans"
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -58,8 +58,9 @@ def check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Profile, plan, bench every strategy, record timelines, draw the charts, write HTML and Markdown."""
+    """Profile, plan, bench every strategy, record timelines, draw the charts, write HTML, Markdown and plan.json."""
     from remat.report import write_charts, write_report
+    from remat.report.html import REPORT_PLAN, verdict
 
     w = load_workload(args.model, args.sizes)
     with console.status(f"profiling {w.description}"):
@@ -105,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         tick("report")
     for tl in timelines:
         console.print(f"timeline {tl.plan}: peak {format_bytes(tl.peak_bytes)} above held memory")
-    for path in (*charts.values(), md_path, html_path):
+    for path in (*charts.values(), md_path, html_path.parent / REPORT_PLAN, html_path):
         console.print(f"wrote {path}")
+    console.print(verdict(chosen, result, prof), highlight=False)
     return 0

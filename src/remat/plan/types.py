@@ -1,17 +1,198 @@
-"""The plan: which blocks are kept and which recomputed (with nesting), and what that is predicted to cost."""
+"""The plan: which blocks are kept and which recomputed (with nesting), and what that is predicted to cost.
+
+# NOTE [ Plan vocabulary ]
+One set of words says what a plan does with a block, everywhere a plan is shown (``Plan.summary``,
+``Plan.explain``, ``remat plan``, the bench tables, the report and its heatmap):
+  kept                        the block runs normally and autograd keeps what it saves (``Keep``);
+  recomputed                  the block runs under its own checkpoint and runs again in the backward
+                              (``Recompute`` of one block);
+  kept, attention recomputed  the block runs normally except its attention (or MLP, or the named
+                              sub-modules), which is checkpointed and runs again (``RecomputeSub``);
+  in a recomputed segment     consecutive blocks run under one checkpoint and run again, together, in
+                              the backward (``Recompute`` of several blocks). While a segment runs
+                              again its blocks keep what they save, except where the plan nests a
+                              further segment inside it: those blocks run once more ("recomputed twice").
+A block's ``times`` counts how often its forward runs again in one step. The compact form of
+``Plan.describe`` (``K0 R[1:3](K1 K2) S3{blocks.3.mlp}``) is for logs; wherever it is shown to a person,
+``LEGEND`` is shown with it. ``Plan.lines`` is the one walk of the plan tree that the terminal tree, the
+HTML and the Markdown render; it groups consecutive blocks with the same fate (``full`` on 48 blocks
+is one line), and lists what happens inside a segment only when it is more than "recomputed once".
+"""
 
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+from enum import Enum
+from typing import Any, ClassVar, NamedTuple
 
 from remat._json import Reader, load
 from remat.blocks import Block
+from remat.errors import RematError
 from remat.plan.chain import Keep, Op, Recompute, RecomputeSub, ops_from_json, ops_repr, ops_to_json, validate_ops
 from remat.units import format_bytes, format_ms
 
-__all__ = ["Plan", "block_to_json", "block_from_json"]
+__all__ = [
+    "Plan",
+    "Fate",
+    "BlockFate",
+    "PlanLine",
+    "LEGEND",
+    "block_fates",
+    "ops_from_text",
+    "sub_kind",
+    "times_in_words",
+    "block_to_json",
+    "block_from_json",
+]
+
+LEGEND = (
+    "K3: block 3 kept; R[1:4](...): blocks 1 to 3 recomputed as one segment, the brackets saying what "
+    "happens inside it when it runs again (a nested R runs once more); S3{...}: block 3 kept, the named "
+    "sub-modules (its attention or MLP) recomputed"
+)
+"""How to read the compact form of :meth:`Plan.describe` (NOTE [ Plan vocabulary ])."""
+
+
+class Fate(Enum):
+    """What a plan does with a block (NOTE [ Plan vocabulary ])."""
+
+    KEPT = "kept"
+    RECOMPUTED = "recomputed"
+    PART = "kept, part recomputed"
+    SEGMENT = "in a recomputed segment"
+
+
+@dataclass(frozen=True)
+class BlockFate:
+    """What a plan does with one block.
+
+    Attributes:
+        fate: Kept, recomputed on its own, kept with a sub-module recomputed, or in a recomputed segment.
+        times: How often the block's forward runs again in one step (0: kept, or only a sub-module
+            recomputed; 2 and more: nested segments).
+        subs: The sub-modules recomputed inside it (``Fate.PART``, or a sub-module checkpointed again
+            inside a segment), by name.
+    """
+
+    fate: Fate
+    times: int = 0
+    subs: tuple[str, ...] = ()
+
+
+class PlanLine(NamedTuple):
+    """One line of a plan in words (:meth:`Plan.lines`).
+
+    Attributes:
+        depth: 0 for the plan's own operations, 1 and more for what happens inside a recomputed segment.
+        fate: The fate of the blocks on the line.
+        what: What happens to them, e.g. ``"recomputed as one segment"``, ``"kept, MLP recomputed"``.
+        blocks: Their indices, consecutive.
+    """
+
+    depth: int
+    fate: Fate
+    what: str
+    blocks: tuple[int, ...]
+
+
+def block_fates(ops: Sequence[Op]) -> tuple[BlockFate, ...]:
+    """What ``ops`` does with each block, in block order (NOTE [ Plan vocabulary ]).
+
+    Args:
+        ops: A plan's operations (``Plan.ops``), covering every block once.
+
+    Returns:
+        One :class:`BlockFate` per block covered.
+    """
+    out: dict[int, BlockFate] = {}
+
+    def walk(inner: Sequence[Op], depth: int, fate: Fate) -> None:
+        for op in inner:
+            if isinstance(op, Keep):
+                out[op.index] = BlockFate(fate, depth)
+            elif isinstance(op, RecomputeSub):
+                out[op.index] = BlockFate(fate if depth else Fate.PART, depth, op.fqns)
+            else:
+                outer = fate if depth else Fate.SEGMENT if op.stop - op.start > 1 else Fate.RECOMPUTED
+                walk(op.inner, depth + 1, outer)
+
+    walk(ops, 0, Fate.KEPT)
+    return tuple(out[i] for i in sorted(out))
+
+
+_TOKEN = re.compile(r"K(\d+)|S(\d+)\{([^}]*)\}|R\[(\d+):(\d+)\]\(|(\))")
+
+
+def ops_from_text(text: str) -> tuple[Op, ...]:
+    """Read the compact form of :meth:`Plan.describe` back into operations (e.g. a frontier point's ``ops``).
+
+    Only the form is checked; :func:`remat.plan.chain.validate_ops` checks that every block is covered once.
+
+    Raises:
+        RematError: If ``text`` is not in the compact form (``LEGEND``), naming the position.
+    """
+    current: list[Op] = []
+    open_segments: list[tuple[int, int, list[Op]]] = []
+    pos = 0
+    while text[pos:].strip():
+        pos += len(text[pos:]) - len(text[pos:].lstrip())
+        m = _TOKEN.match(text, pos)
+        if m is None:
+            raise RematError(
+                f"plan text: cannot read {text[pos : pos + 24]!r} at position {pos} of {text!r}; "
+                f"expected K<i>, S<i>{{...}}, R[a:b](...) or ')' ({LEGEND})"
+            )
+        pos = m.end()
+        if m[1] is not None:
+            current.append(Keep(int(m[1])))
+        elif m[2] is not None:
+            current.append(RecomputeSub(int(m[2]), tuple(f for f in m[3].split(",") if f)))
+        elif m[4] is not None:
+            open_segments.append((int(m[4]), int(m[5]), current))
+            current = []
+        else:
+            if not open_segments:
+                raise RematError(f"plan text: ')' at position {pos - 1} of {text!r} closes no R[a:b](...)")
+            start, stop, outer = open_segments.pop()
+            outer.append(Recompute(start, stop, tuple(current)))
+            current = outer
+    if open_segments:
+        raise RematError(f"plan text: {text!r} leaves R[{open_segments[-1][0]}:{open_segments[-1][1]}]( unclosed")
+    return tuple(current)
+
+
+def times_in_words(n: int) -> str:
+    """``1`` -> ``"once"``, ``2`` -> ``"twice"``, else ``"3 times"``."""
+    return {1: "once", 2: "twice"}.get(n, f"{n} times")
+
+
+def sub_kind(block: Block, fqns: Sequence[str]) -> str:
+    """The sub-modules ``fqns`` of ``block`` in words: ``"attention"``, ``"MLP"``, ``"attention and MLP"``, else their names."""
+    chosen, attn, ffn = set(fqns), set(block.attention_fqns), set(block.ffn_fqns)
+    if attn and chosen == attn:
+        return "attention"
+    if ffn and chosen == ffn:
+        return "MLP"
+    if attn and ffn and chosen == attn | ffn:
+        return "attention and MLP"
+    return ", ".join(fqns)
+
+
+@dataclass
+class _Run:
+    """Consecutive blocks that one line of the plan describes (see ``Plan.lines``)."""
+
+    fate: Fate
+    what: str
+    start: int
+    stop: int
+    inner: tuple[Op, ...] = ()  # shown below the line: a segment with more inside it than "recomputed once"
+    groups: bool = True  # may take in the next run with the same words
+    own: bool = False  # each block under its own checkpoint ("each on its own" once grouped)
 
 
 def block_to_json(b: Block) -> dict[str, Any]:
@@ -83,13 +264,137 @@ class Plan:
         return index in self.checkpointed
 
     def describe(self) -> str:
-        """The operations in compact form, e.g. ``'K0 R[1:4](K1 R[2:3](K2) K3) K4'``."""
+        """The operations in compact form for logs, e.g. ``'K0 R[1:4](K1 R[2:3](K2) K3) K4'``.
+
+        ``K3``: block 3 kept; ``R[1:4](...)``: blocks 1 to 3 recomputed as one segment, the brackets
+        saying what happens inside it when it runs again (a nested ``R`` runs once more); ``S3{...}``:
+        block 3 kept, the named sub-modules recomputed (``LEGEND``). :meth:`explain` says it in words.
+        """
         return ops_repr(self.ops)
 
+    def fates(self) -> tuple[BlockFate, ...]:
+        """What the plan does with each block, in block order (NOTE [ Plan vocabulary ])."""
+        return block_fates(self.ops)
+
+    def span(self, blocks: Sequence[int]) -> str:
+        """The names of consecutive blocks: ``'blocks.3'``, ``'blocks.3–5'``, or ``'first – last'``."""
+        first, last = self.blocks[blocks[0]].name, self.blocks[blocks[-1]].name
+        if len(blocks) == 1:
+            return first
+        a, b = re.fullmatch(r"(.*?)(\d+)", first), re.fullmatch(r"(.*?)(\d+)", last)
+        if a and b and a[1] == b[1]:
+            return f"{first}–{b[2]}"
+        return f"{first} – {last}"
+
+    def lines(self) -> Iterator[PlanLine]:
+        """The plan in words, one line per run of consecutive blocks with the same fate, nested lines
+        for what happens inside a segment (NOTE [ Plan vocabulary ]); every rendering reads this walk.
+
+        Yields:
+            ``PlanLine(depth, fate, what, blocks)``, in block order, a segment before what is inside it.
+        """
+        yield from self._lines(self.ops, 0, Fate.KEPT)
+
+    def _lines(self, ops: Sequence[Op], depth: int, fate: Fate) -> Iterator[PlanLine]:
+        runs: list[_Run] = []
+        for op in ops:
+            run = self._run(op, depth, fate)
+            prev = runs[-1] if runs else None
+            if prev is not None and prev.groups and run.groups and (prev.fate, prev.what) == (run.fate, run.what):
+                prev.stop = run.stop
+            else:
+                runs.append(run)
+        for run in runs:
+            what = run.what + (", each on its own" if run.own and run.stop - run.start > 1 else "")
+            yield PlanLine(depth, run.fate, what, tuple(range(run.start, run.stop)))
+            if run.inner:
+                yield from self._lines(run.inner, depth + 1, run.fate)
+
+    def _run(self, op: Op, depth: int, fate: Fate) -> _Run:
+        """One operation in words; ``depth`` counts the segments around it, ``fate`` that of the outermost."""
+        if isinstance(op, Keep):
+            return _Run(fate, f"recomputed {times_in_words(depth)}" if depth else "kept", op.index, op.index + 1)
+        if isinstance(op, RecomputeSub):
+            kind = sub_kind(self.blocks[op.index], op.fqns)
+            if depth:
+                what = f"recomputed {times_in_words(depth)}, its {kind} {times_in_words(depth + 1)}"
+                return _Run(fate, what, op.index, op.index + 1)
+            return _Run(Fate.PART, f"kept, {kind} recomputed", op.index, op.index + 1)
+        several = op.stop - op.start > 1
+        plain_inside = all(isinstance(o, Keep) for o in op.inner)  # recomputed once, keeping what each block saves
+        if depth:
+            what = f"recomputed {times_in_words(depth + 1)}" + (", as one nested segment" if several else "")
+        else:
+            fate = Fate.SEGMENT if several else Fate.RECOMPUTED
+            what = "recomputed as one segment" if several else "recomputed"
+        inner = () if plain_inside else op.inner
+        return _Run(fate, what, op.start, op.stop, inner, groups=plain_inside and not several, own=not several)
+
+    def headline(self) -> str:
+        """How many blocks are kept, recomputed, kept with a sub-module recomputed or in segments, in one line,
+        e.g. ``'8 blocks: 1 recomputed, 4 in 2 recomputed segments, 1 kept with its MLP recomputed, 2 kept'``."""
+        fates = self.fates()
+        n = len(fates)
+        count = Counter(f.fate for f in fates)
+        segments = sum(1 for op in self.ops if isinstance(op, Recompute) and op.stop - op.start > 1)
+        kinds = {sub_kind(self.blocks[i], f.subs) for i, f in enumerate(fates) if f.fate is Fate.PART}
+        if len(kinds) == 1:
+            kind = kinds.pop()
+        else:
+            kind = "attention or MLP" if kinds <= {"attention", "MLP", "attention and MLP"} else "sub-modules"
+
+        def phrase(fate: Fate, c: int) -> str:
+            its = "its" if c == 1 else "their"
+            return {
+                Fate.RECOMPUTED: "recomputed" if c < n else "recomputed, each on its own",
+                Fate.SEGMENT: f"in {segments} recomputed segment{'s' if segments > 1 else ''}",
+                Fate.PART: f"kept with {its} {kind} recomputed",
+                Fate.KEPT: "kept",
+            }[fate]
+
+        present = [f for f in (Fate.RECOMPUTED, Fate.SEGMENT, Fate.PART, Fate.KEPT) if count[f]]
+        if len(present) == 1:
+            nothing = " (nothing recomputed)" if present[0] is Fate.KEPT else ""
+            text = f"{n} blocks, all {phrase(present[0], n)}{nothing}"
+        else:
+            text = f"{n} blocks: " + ", ".join(f"{count[f]} {phrase(f, count[f])}" for f in present)
+        nested = [f.times for f in fates if f.times > 1]
+        if nested:
+            up_to = "" if len(set(nested)) == 1 else "up to "
+            text += f"; {len(nested)} of them recomputed {up_to}{times_in_words(max(nested))} (nested)"
+        return text
+
+    def recomputes(self) -> str:
+        """What the plan recomputes, in words, one clause per line of :meth:`lines` at the top level,
+        kept blocks left out: ``'blocks.0: kept, MLP recomputed; blocks.1–2: recomputed as one segment'``."""
+        lines = list(self.lines())
+        nested = {i for line in lines if line.depth > 0 for i in line.blocks}
+        clauses = [
+            f"{self.span(line.blocks)}: {line.what}" + (", with more recomputation nested inside" if nested & set(line.blocks) else "")
+            for line in lines
+            if line.depth == 0 and line.fate is not Fate.KEPT
+        ]
+        return "; ".join(clauses) or "nothing (every block kept)"
+
+    def explain(self) -> str:
+        """The plan in words: the :meth:`headline`, then one line per run of blocks (:meth:`lines`), nested
+        lines indented, e.g.::
+
+            optimal: 8 blocks: 2 recomputed, 6 kept
+              blocks.0–1   recomputed, each on its own
+              blocks.2–7   kept
+        """
+        rows = [("  " * line.depth + self.span(line.blocks), line.what) for line in self.lines()]
+        width = max((len(name) for name, _ in rows), default=0)
+        body = [f"  {name:<{width}}   {what}" for name, what in rows]
+        return "\n".join([f"{self.strategy}: {self.headline()}", *body])
+
     def summary(self) -> str:
-        """A few human lines: strategy, checkpointed blocks and predicted figures."""
-        lines = [f"plan {self.strategy}: {len(self.checkpointed)}/{len(self.blocks)} blocks checkpointed, depth {self.depth}"]
-        lines.append(f"  ops: {self.describe()}")
+        """A few human lines: the plan in words (:meth:`explain`), its compact form with a legend, and
+        the budget and predicted figures."""
+        lines = [f"plan {self.explain()}"]
+        lines.append(f"  compact: {self.describe()}")
+        lines.append(f"    ({LEGEND})")
         if self.budget_bytes is not None:
             lines.append(f"  budget: {format_bytes(self.budget_bytes)}")
         if self.predicted_peak_bytes is not None:

@@ -1,8 +1,10 @@
-"""The report of ``remat report``: one self-contained HTML file and a Markdown summary.
+"""The report of ``remat report``: one self-contained HTML file, a Markdown summary and the plan's JSON.
 
 The HTML carries its CSS inline and every chart as a base64 PNG, so it can be mailed or attached to
-an issue as one file; the Markdown links the PNGs written next to it. Every piece of text that comes
-from the model, the plans or the command line is escaped.
+an issue as one file; the Markdown links the PNGs written next to it; ``plan.json`` is the chosen plan,
+for ``remat measure --plan`` and ``remat.apply``. Every piece of text that comes from the model, the
+plans or the command line is escaped. Both documents open with the same one-sentence verdict
+(:func:`verdict`) and say what the plan does in the words of NOTE [ Plan vocabulary ].
 """
 
 from __future__ import annotations
@@ -11,36 +13,40 @@ import base64
 import html
 import logging
 import platform
-from collections.abc import Mapping, Sequence
+import shlex
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from remat.measure.compare import BenchResult, BenchRow
+from remat.errors import RematError
+from remat.measure.compare import BenchResult, BenchRow, separable
 from remat.measure.timeline import Timeline
-from remat.plan.chain import Keep, Op, Recompute, RecomputeSub
+from remat.plan.chain import validate_ops
 from remat.plan.planner import Frontier
-from remat.plan.types import Plan
+from remat.plan.types import LEGEND, Fate, Plan, ops_from_text
 from remat.profile.types import Profile
 from remat.report.plots import baseline_step_ms
 from remat.report.tables import (
     BENCH_HEADERS,
     PROFILE_HEADERS,
+    RECOMPUTED_NOTE,
     bench_rows,
     budget_verdicts,
-    mib,
+    noise_warning,
     profile_rows,
     ratio_pct,
 )
 from remat.units import format_bytes, format_ms
 
-__all__ = ["write_report", "REPORT_HTML", "REPORT_MD"]
+__all__ = ["write_report", "verdict", "REPORT_HTML", "REPORT_MD", "REPORT_PLAN"]
 
 log = logging.getLogger(__name__)
 
 REPORT_HTML = "report.html"
 REPORT_MD = "report.md"
+REPORT_PLAN = "plan.json"
 
 _CHART_TITLES = {
     "timeline": "Memory over one training step",
@@ -53,7 +59,8 @@ _CHART_CAPTIONS = {
     "model, recompute-everything and the chosen plan. Bands below: each block's forward, backward and "
     "recomputation; shading: forward and backward phases.",
     "tradeoff": "Every strategy as measured (one marker each) and the optimal frontier predicted by the solver "
-    "(peak against the plain step time plus the predicted recompute time).",
+    "(peak against the plain step time plus the predicted recompute time). The markers are measured and the line "
+    "predicted: markers fall on either side of it by as much as the run-to-run spread (the bench's spread column).",
     "comparison": "Measured peak memory and median step time of every strategy; dashed: the plain model.",
     "heatmap": "What each block saves for its backward, what recomputing it costs, and what the chosen plan does with it.",
 }
@@ -71,12 +78,14 @@ th { background: #f3f4f6; text-align: left; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 tr.chosen td { background: #eaf6ec; font-weight: 600; }
 .cards { display: flex; flex-wrap: wrap; gap: 0.8rem; margin: 1rem 0; }
-.card { border: 1px solid #ddd; border-radius: 8px; padding: 0.7rem 1rem; min-width: 190px; background: #fafafa; }
+.card { flex: 1 1 0; border: 1px solid #ddd; border-radius: 8px; padding: 0.7rem 1rem; min-width: 150px; background: #fafafa; }
 .card .v { font-size: 1.35rem; font-weight: 600; } .card .k { color: #666; font-size: 0.82rem; }
 figure { margin: 1.2rem 0 2rem 0; } figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption { color: #555; font-size: 0.88rem; margin-top: 0.3rem; }
-ul.plan { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 0.88rem; }
-.keep { color: #2e7d32; } .rec { color: #c62828; } .subop { color: #b7791f; }
+p.verdict { font-size: 1.15rem; background: #f3f7fb; border-left: 4px solid #4c72b0; padding: 0.6rem 0.9rem; }
+table.plan td.blocks { font-family: ui-monospace, Menlo, Consolas, monospace; white-space: nowrap; }
+.keep { color: #2e7d32; } .rec { color: #c62828; } .seg { color: #b8501a; } .subop { color: #8a5a00; }
+p.legend { color: #555; font-size: 0.88rem; }
 .ok { color: #2e7d32; } .bad { color: #c62828; font-weight: 600; }
 code { background: #f3f4f6; padding: 0 0.25rem; border-radius: 3px; }
 pre.cmd code { background: none; color: inherit; padding: 0; }
@@ -99,11 +108,21 @@ def _find_row(result: BenchResult, plan: Plan) -> BenchRow | None:
     return None
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, numeric_from: int = 1, highlight: int | None = None) -> str:
+def _table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    numeric_from: int = 1,
+    text: Collection[int] = (),
+    highlight: int | None = None,
+) -> str:
+    """A table; columns from ``numeric_from`` on are right-aligned, except those in ``text``."""
     head = "".join(f"<th>{_e(h)}</th>" for h in headers)
     body = []
     for i, row in enumerate(rows):
-        cells = "".join(f'<td class="num">{_e(c)}</td>' if j >= numeric_from else f"<td>{_e(c)}</td>" for j, c in enumerate(row))
+        cells = "".join(
+            f'<td class="num">{_e(c)}</td>' if j >= numeric_from and j not in text else f"<td>{_e(c)}</td>" for j, c in enumerate(row)
+        )
         cls = ' class="chosen"' if i == highlight else ""
         body.append(f"<tr{cls}>{cells}</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
@@ -114,38 +133,116 @@ def _kv_table(rows: Sequence[tuple[str, str]]) -> str:
     return f'<table class="kv"><tbody>{body}</tbody></table>'
 
 
-def _plan_html(ops: Sequence[Op], plan: Plan) -> str:
-    items = []
-    for op in ops:
-        if isinstance(op, Keep):
-            items.append(f'<li><span class="keep">keep</span> {_e(plan.blocks[op.index].name)}</li>')
-        elif isinstance(op, RecomputeSub):
-            items.append(
-                f'<li><span class="subop">keep, recompute {_e(", ".join(op.fqns))}</span> in {_e(plan.blocks[op.index].name)}</li>'
-            )
-        elif isinstance(op, Recompute):
-            names = plan.blocks[op.start].name + (f" .. {plan.blocks[op.stop - 1].name}" if op.stop - op.start > 1 else "")
-            inner = ""
-            if len(op.inner) > 1 or any(not isinstance(o, Keep) for o in op.inner):
-                inner = _plan_html(op.inner, plan)
-            items.append(f'<li><span class="rec">recompute</span> {_e(names)}{inner}</li>')
-    return f'<ul class="plan">{"".join(items)}</ul>'
+_FATE_CLASSES = {Fate.KEPT: "keep", Fate.RECOMPUTED: "rec", Fate.SEGMENT: "seg", Fate.PART: "subop"}
 
 
-def _plan_md(ops: Sequence[Op], plan: Plan, depth: int = 0) -> list[str]:
-    lines = []
-    pad = "  " * depth
-    for op in ops:
-        if isinstance(op, Keep):
-            lines.append(f"{pad}- keep `{plan.blocks[op.index].name}`")
-        elif isinstance(op, RecomputeSub):
-            lines.append(f"{pad}- keep `{plan.blocks[op.index].name}`, recompute {', '.join(f'`{f}`' for f in op.fqns)}")
-        elif isinstance(op, Recompute):
-            names = plan.blocks[op.start].name + (f" .. {plan.blocks[op.stop - 1].name}" if op.stop - op.start > 1 else "")
-            lines.append(f"{pad}- recompute `{names}`")
-            if len(op.inner) > 1 or any(not isinstance(o, Keep) for o in op.inner):
-                lines += _plan_md(op.inner, plan, depth + 1)
-    return lines
+def _plan_html(plan: Plan) -> str:
+    """The plan in words (``Plan.lines``): one row per run of blocks, what happens inside a segment indented."""
+    rows = "".join(
+        f'<tr><td class="blocks" style="padding-left: {0.6 + 1.5 * line.depth:.1f}rem">{_e(plan.span(line.blocks))}</td>'
+        f'<td class="{_FATE_CLASSES[line.fate]}">{_e(line.what)}</td></tr>'
+        for line in plan.lines()
+    )
+    return f'<table class="plan"><thead><tr><th>blocks</th><th>what happens to them in a step</th></tr></thead><tbody>{rows}</tbody></table>'
+
+
+def _plan_md(plan: Plan) -> list[str]:
+    """The plan in words (``Plan.lines``) as a nested Markdown list."""
+    return [f"{'  ' * line.depth}- `{plan.span(line.blocks)}`: {line.what}" for line in plan.lines()]
+
+
+def _reuse(command: str, directory: Path) -> tuple[str, str]:
+    """How to reuse the written plan: the ``remat measure`` command line (the model and ``--set`` of
+    ``command`` when it is a ``remat report`` line) and the Python call."""
+    path = str(directory / REPORT_PLAN)
+    model = ["MODEL"]
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        words = []
+    if words[:2] == ["remat", "report"] and len(words) > 2 and not words[2].startswith("-"):
+        model = [words[2]] + [w for i, w in enumerate(words) if w.startswith("--set") or (i and words[i - 1] == "--set")]
+    return (
+        shlex.join(["remat", "measure", *model, "--plan", path]),
+        f"from remat.plan import Plan; remat.apply(model, Plan.from_json(Path({path!r}).read_text()))",
+    )
+
+
+def _is_plain(row: BenchRow) -> bool:
+    return row.checkpointed == 0 and row.depth == 0
+
+
+def verdict(plan: Plan, result: BenchResult, profile: Profile) -> str:
+    """One sentence on the plan: the memory it saves and the step time it costs, measured in the bench
+    against its plain row, claiming a time cost only as far as the run-to-run spread supports it
+    (NOTE [ Timing noise ] in ``remat.measure.compare``); predicted figures when the bench lacks the plan.
+
+    Args:
+        plan: The chosen plan.
+        result: The bench, its first row the plain model.
+        profile: The profile the plan was made from (for predictions).
+
+    Returns:
+        E.g. ``"optimal @ 40% saves 39.1MiB (61%) of the plain 64.9MiB peak for +22% step time (137.2ms against 112.5ms)."``
+    """
+    row = _find_row(result, plan)
+    base = result.rows[0] if result.rows and _is_plain(result.rows[0]) else None
+    if row is None or base is None or base.peak_bytes <= 0:
+        if plan.predicted_peak_bytes is None or plan.predicted_extra_ms is None or profile.peak_bytes <= 0:
+            return f"{plan.strategy} was not measured; see the bench below."
+        saved = profile.peak_bytes - plan.predicted_peak_bytes
+        base_ms = baseline_step_ms(result, profile.step_ms)
+        extra = f"{plan.predicted_extra_ms / base_ms:+.0%}" if base_ms > 0 else f"+{format_ms(plan.predicted_extra_ms)}"
+        return (
+            f"{plan.strategy} is predicted to save {format_bytes(saved)} ({saved / profile.peak_bytes:.0%}) of the plain "
+            f"{format_bytes(profile.peak_bytes)} peak for {extra} step time (not measured)."
+        )
+    if row is base:
+        return f"{plan.strategy} is the plain model: it recomputes nothing, saves nothing and costs nothing."
+    saved = base.peak_bytes - row.peak_bytes
+    text = f"{plan.strategy} saves {format_bytes(saved)} ({row.saved_pct:.0f}%) of the plain {format_bytes(base.peak_bytes)} peak"
+    if row.spread_pct is None or base.spread_pct is None:
+        text += f" for {row.overhead_pct:+.0f}% step time (one timing round: how much of that is noise is unknown)"
+    elif separable(row, base):
+        text += f" for {row.overhead_pct:+.0f}% step time ({format_ms(row.step_ms)} against {format_ms(base.step_ms)})"
+    else:
+        spread = max(row.spread_pct, base.spread_pct)
+        text += (
+            f"; its step time ({row.overhead_pct:+.0f}%) is within the run-to-run spread ({spread:.0f}%), "
+            "so this machine cannot tell what it costs in time"
+        )
+    budget = row.budget_bytes if row.budget_bytes is not None else plan.budget_bytes
+    if budget is not None and row.peak_bytes > budget:
+        text += f", but its peak {format_bytes(row.peak_bytes)} is over the {format_bytes(budget)} budget"
+    if not row.grads_equal:
+        text += "; its gradients DIFFER from the plain model's"
+    return text + "."
+
+
+def _frontier_rows(frontier: Frontier, plan: Plan, profile: Profile, base_ms: float) -> tuple[list[list[str]], int | None]:
+    """One row per optimal point, by rising peak: predicted peak, its share of the plain peak, extra time,
+    and what it recomputes; the chosen plan is among them (added when the frontier's budgets missed it).
+
+    Returns:
+        The rows and the index of the chosen plan's row (``None`` without predictions for it).
+    """
+    points = [(p.peak_bytes, p.extra_ms, p.ops) for p in frontier.points]
+    chosen = plan.describe()
+    if plan.predicted_peak_bytes is not None and plan.predicted_extra_ms is not None and chosen not in {p[2] for p in points}:
+        points.append((plan.predicted_peak_bytes, plan.predicted_extra_ms, chosen))
+    points.sort(key=lambda p: (p[0], p[1]))
+    rows = []
+    for peak_bytes, extra_ms, text in points:
+        try:
+            ops = ops_from_text(text)
+            validate_ops(ops, len(profile.blocks))
+            words = Plan(strategy="optimal", blocks=profile.blocks, ops=ops).recomputes()
+        except RematError:  # a frontier of other blocks: its compact form is all there is
+            words = f"{text} ({LEGEND})"
+        share = f"{peak_bytes / profile.peak_bytes:.0%}" if profile.peak_bytes > 0 else "-"
+        extra = f"+{format_ms(extra_ms)}" + (f" (+{extra_ms / base_ms:.0%})" if base_ms > 0 else "")
+        rows.append([format_bytes(peak_bytes), share, extra, ("the chosen plan: " if text == chosen else "") + words])
+    return rows, next((i for i, (_, _, text) in enumerate(points) if text == chosen), None)
 
 
 def _card(value: str, key: str) -> str:
@@ -185,7 +282,7 @@ def write_report(
     description: str = "",
     charts: Mapping[str, Path] | None = None,
 ) -> tuple[Path, Path]:
-    """Write ``report.html`` (self-contained) and ``report.md`` (links the PNGs next to it).
+    """Write ``report.html`` (self-contained), ``report.md`` (links the PNGs next to it) and ``plan.json``.
 
     Args:
         directory: Where to write (created if missing); the charts go there too when not given.
@@ -200,7 +297,8 @@ def write_report(
             ``"heatmap"``) and PNG path; default: write them with :func:`remat.report.plots.write_charts`.
 
     Returns:
-        The paths of the HTML file and of the Markdown file.
+        The paths of the HTML file and of the Markdown file; the plan is written next to them as
+        ``plan.json`` (``REPORT_PLAN``).
 
     Raises:
         MissingExtraError: If the charts must be drawn and matplotlib is not installed.
@@ -217,6 +315,8 @@ def write_report(
     row = _find_row(result, plan)
     base_ms = baseline_step_ms(result, profile.step_ms)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    warning = noise_warning(result)
+    measure_cmd, apply_call = _reuse(command, d)
     env = f"remat {remat.__version__}, torch {torch.__version__}, Python {platform.python_version()}, {profile.device}"
 
     parts = [
@@ -226,6 +326,8 @@ def write_report(
         f"<style>{_CSS}</style></head><body>",
         f"<h1>remat report: {_e(desc)}</h1>",
         f'<p class="sub">{_e(stamp)} &middot; {_e(env)}</p>',
+        f'<p class="verdict">{_e(verdict(plan, result, profile))}</p>',
+        *([f'<p class="bad">{_e(warning)}</p>'] if warning else []),
         "<h2>Command</h2>",
         f'<pre class="cmd"><code>{_e(command)}</code></pre>',
         "<h2>Model</h2>",
@@ -234,7 +336,7 @@ def write_report(
                 ("workload", desc),
                 ("model class", profile.model),
                 ("device", profile.device),
-                ("blocks", f"{len(profile.blocks)} ({profile.blocks[0].name} .. {profile.blocks[-1].name})" if profile.blocks else "0"),
+                ("blocks", f"{len(profile.blocks)} ({profile.blocks[0].name} to {profile.blocks[-1].name})" if profile.blocks else "0"),
                 ("blocks form a chain", "yes" if profile.is_chain else "no"),
                 ("held before a step", format_bytes(profile.held_bytes) + " (parameters, gradients, buffers, inputs)"),
                 ("plain peak above that", format_bytes(profile.peak_bytes)),
@@ -244,13 +346,16 @@ def write_report(
         "<h2>Key figures</h2>",
         '<div class="cards">' + "".join(_card(v, k) for v, k in _key_figures(profile, plan, row, base_ms)) + "</div>",
         "<h2>The chosen plan</h2>",
-        f"<p><b>{_e(plan.strategy)}</b>: {len(plan.checkpointed)}/{len(plan.blocks)} blocks recomputed, "
-        f"nesting depth {plan.depth}; operations <code>{_e(plan.describe())}</code></p>",
-        _plan_html(plan.ops, plan),
+        f"<p><b>{_e(plan.strategy)}</b>: {_e(plan.headline())}.</p>",
+        _plan_html(plan),
+        f'<p class="legend">In compact form (<code>plan.describe()</code>, as in logs): <code>{_e(plan.describe())}</code>'
+        f"<br>{_e(LEGEND)}.</p>",
+        f"<p>Saved as <code>{REPORT_PLAN}</code> next to this report; measure it on its own with "
+        f"<code>{_e(measure_cmd)}</code>, or apply it in Python with <code>{_e(apply_call)}</code>.</p>",
         "<h3>Predicted against measured</h3>",
         _table(("figure", "predicted", "measured", "measured vs predicted"), _versus_rows(plan, row, base_ms, timelines)),
     ]
-    verdicts = budget_verdicts(result)
+    verdicts = [v for v in budget_verdicts(result) if v != warning]  # the warning opens the report
     if verdicts:
         parts.append("<ul>" + "".join(f"<li>{_e(v)}</li>" for v in verdicts) + "</ul>")
     parts.append("<h2>Charts</h2>")
@@ -261,12 +366,13 @@ def write_report(
                 f"<figcaption>{_e(_CHART_CAPTIONS[name])}</figcaption></figure>"
             )
     chosen_index = next((i for i, r in enumerate(result.rows) if row is not None and r.label == row.label), None)
+    frontier_rows, frontier_chosen = _frontier_rows(frontier, plan, profile, base_ms)
     parts += [
         "<h2>Bench: every strategy measured</h2>",
         f"<p>{_e(result.model)} on {_e(result.device)}; median of {result.rounds} interleaved rounds; peaks above "
         f"{_e(format_bytes(result.held_bytes))} held before the step; percentages against "
         f"<code>{_e(result.rows[0].label if result.rows else '-')}</code>. Predicted step time: the plain step plus "
-        "the predicted recompute time.</p>",
+        f"the predicted recompute time. The column “blocks recomputed” counts {_e(RECOMPUTED_NOTE)}.</p>",
         _table(BENCH_HEADERS, bench_rows(result), highlight=chosen_index),
         "<h2>Timelines</h2>",
         _table(("plan", "timeline peak", "bench peak", "timeline vs bench", "step (under profiler)"), _timeline_rows(timelines, result)),
@@ -275,17 +381,25 @@ def write_report(
         f"Blocks form a chain: {'yes' if profile.is_chain else 'no'}.</p>",
         _table(PROFILE_HEADERS, profile_rows(profile), numeric_from=3),
         "<h2>Optimal frontier (predicted)</h2>",
+        "<p>The fastest plan the solver finds for each peak, from the smallest peak it can reach to keeping "
+        f"everything: peaks above the held memory, extra time per step against the plain step of {_e(format_ms(base_ms))}. "
+        "The highlighted row is the chosen plan.</p>",
         _table(
-            ("plan", "budget MiB", "predicted peak MiB", "predicted recompute ms"),
-            [[p.ops, mib(p.budget_bytes), mib(p.peak_bytes), f"{p.extra_ms:.1f}"] for p in frontier.points],
+            ("predicted peak", "of the plain peak", "extra time per step", "what it recomputes"),
+            frontier_rows,
+            numeric_from=0,
+            text={3},
+            highlight=frontier_chosen,
         ),
         "</body></html>",
     ]
+    plan_path = d / REPORT_PLAN
+    plan_path.write_text(plan.to_json(), encoding="utf-8")
     html_path = d / REPORT_HTML
     html_path.write_text("\n".join(parts), encoding="utf-8")
     md_path = d / REPORT_MD
     md_path.write_text(_markdown(d, profile, plan, result, timelines, command, desc, row, base_ms, charts), encoding="utf-8")
-    log.info("wrote %s and %s", html_path, md_path)
+    log.info("wrote %s, %s and %s", html_path, md_path, plan_path)
     return html_path, md_path
 
 
@@ -352,6 +466,9 @@ def _markdown(
     lines = [
         f"# remat report: {_md_escape(desc)}",
         "",
+        f"**{_md_escape(verdict(plan, result, profile))}**",
+        "",
+        *([f"**{_md_escape(warning)}**", ""] if (warning := noise_warning(result)) else []),
         "```",
         command.replace("```", "'''"),
         "```",
@@ -368,7 +485,24 @@ def _markdown(
             f"{row.saved_pct:.1f}% saved), step {format_ms(row.step_ms)} ({row.overhead_pct:+.1f}%), "
             f"gradients equal: {'yes' if row.grads_equal else 'NO'}"
         )
-    lines += ["", f"## Plan: `{plan.describe()}`", "", *_plan_md(plan.ops, plan), "", "## Bench", ""]
+    measure_cmd, apply_call = _reuse(command, directory)
+    lines += [
+        "",
+        f"## Plan: {_md_escape(plan.strategy)}",
+        "",
+        f"{_md_escape(plan.headline())}.",
+        "",
+        *_plan_md(plan),
+        "",
+        f"In compact form: `{plan.describe()}` ({_md_escape(LEGEND)}).",
+        "",
+        f"Saved as `{REPORT_PLAN}`: `{measure_cmd}`, or in Python `{apply_call}`.",
+        "",
+        "## Bench",
+        "",
+        f"The column “blocks recomputed” counts {_md_escape(RECOMPUTED_NOTE)}.",
+        "",
+    ]
     lines.append("| " + " | ".join(BENCH_HEADERS) + " |")
     lines.append("|" + "---|" * len(BENCH_HEADERS))
     for cells in bench_rows(result):

@@ -8,6 +8,7 @@ plotting needs no display, leaves the caller's pyplot state alone and never open
 from __future__ import annotations
 
 import logging
+import textwrap
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -16,9 +17,9 @@ from typing import TYPE_CHECKING
 from remat.errors import MissingExtraError, RematError
 from remat.measure.compare import BenchResult, BenchRow
 from remat.measure.timeline import Timeline
-from remat.plan.chain import Keep, Op, Recompute, RecomputeSub
+from remat.plan.chain import Recompute
 from remat.plan.planner import Frontier
-from remat.plan.types import Plan
+from remat.plan.types import Fate, Plan, sub_kind, times_in_words
 from remat.profile.types import Profile
 from remat.units import format_bytes, format_ms
 
@@ -131,7 +132,8 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path) -> Path:
     colors = [f"C{i}" for i in range(lanes)]
     top = max(max([*tl.bytes, tl.peak_bytes, 1]) for tl in timelines)
     b_div, b_unit = bytes_unit(top)
-    t_div, t_unit = time_unit(max(tl.duration_ms for tl in timelines))
+    end_ms = max(tl.duration_ms for tl in timelines)
+    t_div, t_unit = time_unit(end_ms)
     for tl, color in zip(timelines, colors, strict=True):
         xs = [0.0, *(t / t_div for t in tl.t_ms), tl.duration_ms / t_div]
         level = [0, *tl.bytes]
@@ -140,11 +142,13 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path) -> Path:
         ax.fill_between(xs, ys, step="post", color=color, alpha=0.07)
         peak_y = (max(tl.bytes) if tl.bytes else 0) / b_div
         ax.plot([tl.peak_ms / t_div], [peak_y], marker="v", color=color, markersize=8, zorder=5)
+        late = tl.peak_ms > 0.85 * end_ms  # a label right of a late peak would leave the axes: put it left
         ax.annotate(
             f"peak {format_bytes(tl.peak_bytes)}",
             xy=(tl.peak_ms / t_div, peak_y),
-            xytext=(6, 6),
+            xytext=(-6 if late else 6, 6),
             textcoords="offset points",
+            ha="right" if late else "left",
             color=color,
             fontsize=9,
             fontweight="bold",
@@ -153,7 +157,7 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path) -> Path:
         if backward is not None:
             ax.axvline(backward.start_ms / t_div, color=color, linestyle="--", linewidth=0.9, alpha=0.7)
     ax.set_ylim(0, top / b_div * (1.2 + 0.06 * lanes))  # headroom: the legend sits above the peaks
-    ax.set_xlim(0, max(tl.duration_ms for tl in timelines) / t_div)
+    ax.set_xlim(0, end_ms / t_div)
     held = timelines[0].held_bytes
     ax.set_ylabel(f"memory allocated above the\n{format_bytes(held)} held before the step ({b_unit})")
     ax.set_title(f"Memory over one training step ({timelines[0].device}); dashed lines: where each backward starts", loc="left")
@@ -269,39 +273,40 @@ def _check_rows(result: BenchResult) -> None:
         raise RematError("report: the bench result has no rows; measure at least one plan with compare(...)")
 
 
-def _sub_label(plan: Plan, op: RecomputeSub) -> str:
-    block = plan.blocks[op.index]
-    if block.attention_fqns and set(op.fqns) == set(block.attention_fqns):
-        return "recompute attn"
-    if block.ffn_fqns and set(op.fqns) == set(block.ffn_fqns):
-        return "recompute ffn"
-    return "recompute sub"
-
-
 def block_decisions(plan: Plan) -> list[str]:
-    """What the plan does with each block: ``keep``, ``recompute`` (``recompute x2`` when nested twice),
-    or ``recompute attn``/``recompute ffn``/``recompute sub`` when only those sub-modules are recomputed."""
-    runs = [0] * len(plan.blocks)
-    labels = ["keep"] * len(plan.blocks)
+    """What the plan does with each block, in the words of NOTE [ Plan vocabulary ] (``remat.plan.types``):
+    ``"kept"``, ``"recomputed"``, ``"in a recomputed segment"`` (with ``", twice"`` ... when nested segments
+    run it again), or ``"kept, attention recomputed"``, ``"kept, MLP recomputed"``, ``"kept, part recomputed"``."""
+    return [label for label, _, _ in _decisions(plan)]
 
-    def walk(ops: Sequence[Op], depth: int) -> None:
-        for op in ops:
-            if isinstance(op, Recompute):
-                for k in range(op.start, op.stop):
-                    runs[k] = max(runs[k], depth + 1)
-                walk(op.inner, depth + 1)
-            elif isinstance(op, RecomputeSub):
-                labels[op.index] = _sub_label(plan, op)
-            elif isinstance(op, Keep):
-                pass
 
-    walk(plan.ops, 0)
-    for k, r in enumerate(runs):
-        if r == 1:
-            labels[k] = "recompute"
-        elif r > 1:
-            labels[k] = f"recompute x{r}"
-    return labels
+# The colour and the cell text of each decision (nested ones take _NESTED_COLORS and a count in the cell).
+_DECISIONS = {
+    "kept": ("#D9D9D9", "kept"),
+    "recomputed": ("#C44E52", "recomp."),
+    "in a recomputed segment": ("#D1762E", "in\nsegment"),
+    "kept, attention recomputed": ("#B7791F", "attn\nrecomp."),
+    "kept, MLP recomputed": ("#8C6BB1", "MLP\nrecomp."),
+    "kept, part recomputed": ("#5F7F3F", "part\nrecomp."),
+}
+_NESTED_COLORS = ("#8E1B1F", "#5C0F12", "#3A080A")  # recomputed twice, three times, more
+
+
+def _decisions(plan: Plan) -> list[tuple[str, str, str]]:
+    """Per block: its label (``block_decisions``), its colour in the heatmap and its text in a cell."""
+    out = []
+    for block, f in zip(plan.blocks, plan.fates(), strict=True):
+        if f.fate is Fate.PART:
+            kind = sub_kind(block, f.subs)
+            base = f"kept, {kind if kind in ('attention', 'MLP') else 'part'} recomputed"
+        else:
+            base = f.fate.value
+        color, cell = _DECISIONS[base]
+        if f.times > 1:
+            out.append((f"{base}, {times_in_words(f.times)}", _NESTED_COLORS[min(f.times - 2, 2)], f"{cell}\n{f.times}×"))
+        else:
+            out.append((base, color, cell))
+    return out
 
 
 def _cell_texts(values: Sequence[float]) -> list[str]:
@@ -344,10 +349,11 @@ def plot_heatmap(profile: Profile, plan: Plan, path: str | Path) -> Path:
     out = _target(path)
     _require_matplotlib()
     from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
 
     saved = [bp.saved_bytes for bp in profile.block_profiles]
     recompute_ms = [bp.fwd_ms for bp in profile.block_profiles]
-    decisions = block_decisions(plan)
+    decisions = _decisions(plan)
     b_div, b_unit = bytes_unit(max(saved + [1]))
     t_div, t_unit = time_unit(max(recompute_ms + [0.0]))
     width = min(22.0, max(8.0, 2.5 + 0.62 * n))
@@ -366,14 +372,17 @@ def plot_heatmap(profile: Profile, plan: Plan, path: str | Path) -> Path:
         if annotate:
             for k, (v, txt) in enumerate(zip(values, texts, strict=True)):
                 ax.text(k, 0, txt, ha="center", va="center", fontsize=fontsize, color="white" if v > 0.65 * hi else "black")
-    kinds = sorted(set(decisions), key=lambda d: (d != "keep", d))
-    colors = [_decision_color(k) for k in kinds]
+    kinds = list(dict.fromkeys((label, color) for label, color, _ in decisions))  # in order of first use
     ax = axes[2]
-    ax.imshow([[kinds.index(d) for d in decisions]], cmap=ListedColormap(colors), vmin=-0.5, vmax=len(kinds) - 0.5, aspect="auto")
-    ax.set_yticks([0], ["plan's\ndecision"], fontsize=9)
+    index = {label: i for i, (label, _) in enumerate(kinds)}
+    palette = ListedColormap([color for _, color in kinds])
+    ax.imshow([[index[label] for label, _, _ in decisions]], cmap=palette, vmin=-0.5, vmax=len(kinds) - 0.5, aspect="auto")
+    ax.set_yticks([0], ["the plan"], fontsize=9)
     if annotate:
-        for k, d in enumerate(decisions):
-            ax.text(k, 0, d.replace("recompute ", "recomp.\n").replace("recompute", "recomp."), ha="center", va="center", fontsize=fontsize, color="black" if d == "keep" else "white")
+        for k, (label, _, cell) in enumerate(decisions):
+            ax.text(k, 0, cell, ha="center", va="center", fontsize=fontsize, color="black" if label == "kept" else "white")
+    handles = [Patch(facecolor=color, edgecolor="#999999", label=label) for label, color in kinds]
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 4), fontsize=8, frameon=False)
     for edge in _segment_edges(plan)[1:-1]:
         ax.axvline(edge - 0.5, color="black", linewidth=2.5)
     names = [b.name for b in profile.blocks]
@@ -382,31 +391,10 @@ def plot_heatmap(profile: Profile, plan: Plan, path: str | Path) -> Path:
         a.set_xticks([k + 0.5 for k in range(n - 1)], minor=True)
         a.grid(True, which="minor", color="white", linewidth=1.5)
         a.tick_params(which="minor", length=0)
-    ax.set_xlabel("block, in forward order (thick lines: edges of checkpointed segments)")
-    checkpointed = len(plan.checkpointed)
-    axes[0].set_title(
-        f"Per block: {plan.strategy} recomputes {checkpointed}/{n} blocks"
-        + (f" (predicted peak {format_bytes(plan.predicted_peak_bytes)})" if plan.predicted_peak_bytes is not None else ""),
-        loc="left",
-    )
+    ax.set_xlabel("block, in forward order (thick lines: where each checkpoint or kept block starts and ends)")
+    peak = f"; predicted peak {format_bytes(plan.predicted_peak_bytes)}" if plan.predicted_peak_bytes is not None else ""
+    axes[0].set_title(textwrap.fill(f"{plan.strategy}: {plan.headline()}{peak}", width=int(width * 11)), loc="left", fontsize=10)
     return _save(fig, out)
-
-
-_DECISION_COLORS = {
-    "keep": "#D9D9D9",
-    "recompute": "#C44E52",
-    "recompute attn": "#B7791F",
-    "recompute ffn": "#8C6BB1",
-    "recompute sub": "#5F7F3F",
-}
-_NESTED_COLORS = ("#8E1B1F", "#5C0F12", "#3A080A")  # recomputed twice, three times, more
-
-
-def _decision_color(decision: str) -> str:
-    if decision.startswith("recompute x"):
-        times = int(decision.removeprefix("recompute x"))
-        return _NESTED_COLORS[min(times - 2, len(_NESTED_COLORS) - 1)]
-    return _DECISION_COLORS.get(decision, "grey")
 
 
 def plot_comparison(result: BenchResult, path: str | Path) -> Path:

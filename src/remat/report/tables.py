@@ -9,9 +9,9 @@ from rich import box
 from rich.table import Table
 from rich.tree import Tree
 
+from remat.errors import RematError
 from remat.measure.compare import BenchResult, BenchRow, separable
-from remat.plan.chain import Keep, Op, Recompute, RecomputeSub
-from remat.plan.types import Plan
+from remat.plan.types import BlockFate, Fate, Plan, block_fates, ops_from_text
 from remat.profile.types import Profile
 from remat.units import format_bytes, format_ms
 
@@ -24,6 +24,8 @@ __all__ = [
     "profile_table",
     "plan_tree",
     "plans_table",
+    "recomputed_cell",
+    "RECOMPUTED_NOTE",
     "bench_table",
     "budget_verdicts",
     "noise_warning",
@@ -33,8 +35,10 @@ __all__ = [
 
 # NOTE [ Terminal tables ]
 # The terminal tables must stay readable at 100 columns: they use short headers with the unit in the
-# caption, a border-less box, and leave out columns that the JSON and the HTML report carry (predicted
-# peak and step in the bench). The HTML and Markdown tables use the full headers.
+# caption, a border-less box (the bench's with two spaces between columns, not three), and leave out
+# columns that the JSON and the HTML report carry (predicted peak and step in the bench). The HTML and
+# Markdown tables use the full headers. Every table counts recomputed blocks the same way
+# (``recomputed_cell``, NOTE [ Plan vocabulary ] in ``remat.plan.types``).
 
 
 def mib(n: int | float | None) -> str:
@@ -93,36 +97,59 @@ def profile_table(profile: Profile) -> Table:
     return t
 
 
-def _add_ops(node: Tree, ops: Sequence[Op], plan: Plan) -> None:
-    for op in ops:
-        if isinstance(op, Keep):
-            node.add(f"[green]keep[/] {plan.blocks[op.index].name}")
-        elif isinstance(op, RecomputeSub):
-            node.add(f"[yellow]keep, recompute {', '.join(op.fqns)}[/] in {plan.blocks[op.index].name}")
-        elif isinstance(op, Recompute):
-            names = f"{plan.blocks[op.start].name}" + (f" .. {plan.blocks[op.stop - 1].name}" if op.stop - op.start > 1 else "")
-            child = node.add(f"[red]recompute[/] {names}")
-            if any(not isinstance(o, Keep) for o in op.inner) or len(op.inner) > 1:
-                _add_ops(child, op.inner, plan)
+FATE_STYLES = {Fate.KEPT: "green", Fate.RECOMPUTED: "red", Fate.SEGMENT: "red", Fate.PART: "yellow"}
+"""The rich colour of each fate, in the terminal tree (the HTML uses the same hues)."""
 
 
 def plan_tree(plan: Plan) -> Tree:
-    """The plan as a tree: kept blocks, recomputed segments and what each recompute keeps inside."""
-    root = Tree(f"[bold]{plan.strategy}[/]: {len(plan.checkpointed)}/{len(plan.blocks)} blocks recomputed, depth {plan.depth}")
-    _add_ops(root, plan.ops, plan)
+    """The plan as a tree of :meth:`Plan.lines`: the headline, then what happens to each run of blocks,
+    with what happens inside a segment below it (NOTE [ Plan vocabulary ])."""
+    root = Tree(f"[bold]{plan.strategy}[/]\n{plan.headline()}")  # the headline alone fits 100 columns
+    lines = list(plan.lines())
+    width = max((len(plan.span(line.blocks)) for line in lines), default=0)
+    parents = [root]
+    for line in lines:
+        del parents[line.depth + 1 :]
+        node = parents[line.depth].add(f"{plan.span(line.blocks):<{width}}  [{FATE_STYLES[line.fate]}]{line.what}[/]")
+        parents.append(node)
     return root
+
+
+RECOMPUTED_NOTE = (
+    "blocks recomputed whole (on their own or in segments) + blocks kept with their attention or MLP recomputed ('part')"
+)
+"""What the "recomputed" column of the plan and bench tables counts (:func:`recomputed_cell`)."""
+
+
+def recomputed_cell(fates: Sequence[BlockFate]) -> str:
+    """How many blocks a plan recomputes, for a table: ``'5'``, or ``'3 + 5 part'`` when some blocks are
+    kept with only their attention or MLP recomputed (NOTE [ Plan vocabulary ])."""
+    whole = sum(f.fate in (Fate.RECOMPUTED, Fate.SEGMENT) for f in fates)
+    part = sum(f.fate is Fate.PART for f in fates)
+    return f"{whole} + {part} part" if part else str(whole)
+
+
+def _row_recomputed(r: BenchRow) -> str:
+    """The "recomputed" cell of a bench row, from its plan's compact form (the bench keeps no Plan)."""
+    try:
+        fates = block_fates(ops_from_text(r.ops))
+    except RematError:  # a row written by hand or by another version: its count is all there is
+        return str(r.checkpointed)
+    return recomputed_cell(fates) if len(fates) == r.n_blocks else str(r.checkpointed)
 
 
 def plans_table(plans: Sequence[Plan]) -> Table:
     """Predicted peak and recompute time of several plans side by side (fits 100 columns)."""
-    t = Table(title="predicted", title_justify="left", box=box.SIMPLE_HEAD)
-    for col in ("plan", "ckpt", "peak MiB", "of unplanned", "recompute ms", "of a step"):
+    n = max((len(p.blocks) for p in plans), default=0)
+    t = Table(title="predicted", title_justify="left", box=box.SIMPLE_HEAD, caption_justify="left")
+    t.caption = f"recomputed: {RECOMPUTED_NOTE}, of {n} blocks"
+    for col in ("plan", "recomputed", "peak MiB", "of unplanned", "recompute ms", "of a step"):
         t.add_column(col, justify="left" if col == "plan" else "right")
     for p in plans:
         base_peak, base_ms = p.baseline_peak_bytes or 0, p.baseline_step_ms or 0.0
         t.add_row(
             p.strategy,
-            f"{len(p.checkpointed)}/{len(p.blocks)}",
+            recomputed_cell(p.fates()),
             mib(p.predicted_peak_bytes),
             f"{p.predicted_peak_bytes / base_peak:.0%}" if base_peak and p.predicted_peak_bytes is not None else "-",
             f"{p.predicted_extra_ms:.1f}" if p.predicted_extra_ms is not None else "-",
@@ -133,7 +160,7 @@ def plans_table(plans: Sequence[Plan]) -> Table:
 
 BENCH_HEADERS = (
     "strategy",
-    "blocks ckpt",
+    "blocks recomputed",
     "peak MiB",
     "predicted MiB",
     "peak vs predicted",
@@ -167,7 +194,7 @@ def bench_rows(result: BenchResult, *, fits: tuple[str, str] = (" fits", " OVER"
         rows.append(
             [
                 r.label,
-                f"{r.checkpointed}/{r.n_blocks}",
+                _row_recomputed(r),
                 mib(r.peak_bytes),
                 mib(r.predicted_peak_bytes),
                 ratio_pct(r.peak_bytes, r.predicted_peak_bytes),
@@ -186,7 +213,7 @@ def bench_rows(result: BenchResult, *, fits: tuple[str, str] = (" fits", " OVER"
 # Terminal columns of the bench: (short header, BENCH_HEADERS entry) (NOTE [ Terminal tables ]).
 _BENCH_SHORT = (
     ("plan", "strategy"),
-    ("ckpt", "blocks ckpt"),
+    ("recomputed", "blocks recomputed"),
     ("peak", "peak MiB"),
     ("vs pred", "peak vs predicted"),
     ("budget", "budget MiB"),
@@ -225,6 +252,7 @@ def bench_table(result: BenchResult) -> Table:
         title=f"{result.model} on {result.device}, median of {result.rounds} interleaved rounds",
         title_justify="left",
         box=box.SIMPLE_HEAD,
+        collapse_padding=True,  # NOTE [ Terminal tables ]
         caption_justify="left",
     )
     index = {h: i for i, h in enumerate(BENCH_HEADERS)}
@@ -238,7 +266,7 @@ def bench_table(result: BenchResult) -> Table:
     caption = (
         f"MiB, ms; peaks above {format_bytes(result.held_bytes)} held before the step; vs pred: measured peak against "
         f"predicted; spread: interquartile range / median of the rounds; saved, overhead: against '{short_label(base)}'; "
-        "predicted peaks and steps in --json"
+        f"predicted peaks and steps in --json\nrecomputed: {RECOMPUTED_NOTE}, of {result.rows[0].n_blocks if result.rows else 0} blocks"
     )
     warning = noise_warning(result)
     t.caption = caption + (f"\n[bold red]{warning}[/]" if warning else "")
