@@ -68,6 +68,10 @@ def plan(
 ) -> Plan:
     """The fastest plan whose predicted peak fits ``budget`` (or a strategy's plan, with predictions).
 
+    Under an initialised ``torch.distributed`` process group with several ranks this is a collective:
+    every rank must call it; the ranks' profiles are merged (the largest bytes and times of any rank),
+    and every rank returns rank 0's plan (NOTE [ One plan for every rank ] in ``remat.distributed``).
+
     Args:
         profile: From ``remat.profile``.
         budget: Bytes (an int or ``"1.5GiB"``) or a share of the unplanned peak (``"40%"``): the same
@@ -83,7 +87,15 @@ def plan(
     Raises:
         BudgetInfeasibleError: If no plan fits; the message states the smallest feasible peak.
         RematError: For an unknown solver or a missing budget.
+        PlanMismatchError: Under a process group, if the ranks profiled different blocks.
     """
+    from remat.distributed import one_plan  # local: remat.distributed imports the plan types
+
+    return one_plan(profile, lambda prof: _plan_here(prof, budget, solver=solver, strategy=strategy))
+
+
+def _plan_here(profile: Profile, budget: int | str | Budget | None, *, solver: str, strategy: Strategy | None) -> Plan:
+    """``plan`` on this process alone."""
     if strategy is not None:
         if budget is not None:
             raise RematError("plan: give a budget (for a solver) or a strategy, not both")
