@@ -233,7 +233,7 @@ def test_strategy_needing_sizes_without_profile(tiny: Workload) -> None:
 
 
 def test_plan_json_round_trip_applies(small_mlp: Workload) -> None:
-    prof = remat.profile(small_mlp.model, small_mlp.inputs, small_mlp.loss_fn, repeats=1)
+    prof = remat.profile(small_mlp.model, small_mlp.inputs, small_mlp.loss_fn, repeats=1, grads="held")
     plan = remat.plan(prof, "60%")
     again = Plan.from_json(plan.to_json())
     assert again == plan

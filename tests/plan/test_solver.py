@@ -445,3 +445,110 @@ def test_keep_variants_can_beat_whole_block_plans() -> None:
     assert solve(chain, 130, sub_costs=subs) == variant
     assert solve(chain, 160, sub_costs=subs) == (Keep(0), Keep(1))  # when keeping fits, nothing is recomputed
     assert min_peak(chain) == 130 and min_peak(chain, sub_costs=subs) == 120
+
+
+# ------------------------------------------------------------------------------------------------
+# Parameter gradients allocated in the backward (NOTE [ Gradients in the program ])
+# ------------------------------------------------------------------------------------------------
+
+
+def test_simulate_gradients_by_hand() -> None:
+    chain = dataclasses.replace(hand_chain(), grad_bytes=(5, 7, 3))
+    # Keep all. L=10. K0: 70, L=50. K1: 120, L=100. head 108, 112; its gradients stay: L=103.
+    # bwd K1: 103+25=128, L=103-50+7=60. bwd K0: 60+15=75, L=60-40+5=25. Tail 13, pre 12.
+    assert simulate(chain, (Keep(0), Keep(1))).peak_bytes == 128
+    # R0 fwd 70, L=30. K1: 100, L=80. head 88, 92, L=83. bwd K1: 108, L=83-50+7=40.
+    # bwd R0: the replay runs above block 1's and the head's gradients: K0 40+60=100, L=80;
+    # bwd K0 80+15=95, L=80-40+5=45; L-=20 -> 25.
+    assert simulate(chain, (R0, Keep(1))).peak_bytes == 108
+    # Without gradients (held) the same plans peak at 125 and 105 (HAND).
+    assert simulate(hand_chain(), (R0, Keep(1))).peak_bytes == 105
+
+
+def with_grads(rng: np.random.Generator, chain: Chain, hi: int) -> Chain:
+    """``chain`` with random gradient bytes per block and for the head (some zero, like frozen blocks)."""
+    grads = rng.integers(0, hi, chain.n + 1) * rng.integers(0, 2, chain.n + 1)
+    return dataclasses.replace(chain, grad_bytes=tuple(int(v) for v in grads))
+
+
+# As ORACLE_CASES, without the 8-block chains (seconds each).
+GRADIENT_CASES = [(seed, n) for seed in range(12) for n in (1, 2, 3, 4, 5, 6)] + [(100, 7), (101, 7)]
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "knapsack"])
+@pytest.mark.parametrize(("seed", "n"), GRADIENT_CASES)
+def test_solve_with_gradients_matches_brute_force(seed: int, n: int, nested: bool) -> None:
+    rng = np.random.default_rng(5000 + seed)
+    hi = int(rng.choice([4, 20, 60]))
+    chain = with_grads(rng, random_chain(rng, n, hi=hi, negative_keep=seed % 3 == 2), hi)
+    plans = brute_force(chain, nested)
+    lowest = min(peak for peak, _ in plans)
+    assert min_peak(chain, nested=nested) == min(simulate(chain, ops).peak_bytes for ops in all_plans(n, nested=nested))
+    assert simulate(chain, min_peak_plan(chain, nested=nested)).peak_bytes == min_peak(chain, nested=nested)
+    for headroom in budgets(peak for peak, _ in plans):
+        ops = solve(chain, headroom, nested=nested)
+        fitting = [ms for peak, ms in plans if peak <= headroom]
+        if headroom < lowest:
+            assert ops is None and not fitting
+            continue
+        assert ops is not None, f"headroom {headroom} >= lowest chain peak {lowest} but solve found no plan"
+        assert chain_peak(chain, ops) <= headroom
+        assert simulate(chain, ops).total_ms == pytest.approx(min(fitting), rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_solve_with_gradients_and_keep_variants_matches_brute_force(seed: int) -> None:
+    rng = np.random.default_rng(6000 + seed)
+    n = int(rng.integers(1, 6))
+    chain = with_grads(rng, random_chain(rng, n, hi=40), 40)
+    subs = random_subs(rng, chain)
+    groups: dict[int, list[tuple[str, ...]]] = {}
+    for k, fqns in subs:
+        groups.setdefault(k, []).append(fqns)
+    space = list(all_plans(n, subs=groups))
+    plans = [(chain_peak_subs(chain, ops, subs), simulate(chain, ops, subs).total_ms) for ops in space]
+    assert min_peak(chain, sub_costs=subs) == min(simulate(chain, ops, subs).peak_bytes for ops in space)
+    for headroom in budgets(p for p, _ in plans):
+        ops = solve(chain, headroom, sub_costs=subs)
+        fitting = [ms for p, ms in plans if p <= headroom]
+        if not fitting:
+            assert ops is None
+            continue
+        assert ops is not None and chain_peak_subs(chain, ops, subs) <= headroom
+        assert simulate(chain, ops, subs).total_ms == pytest.approx(min(fitting), rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("slots", [3, 57, None])
+def test_coarse_units_with_gradients_stay_within_budget(slots: int | None) -> None:
+    rng = np.random.default_rng(777 + (slots or 0))
+    for _ in range(15):
+        n = int(rng.integers(1, 30))
+        hi = int(rng.choice([10**4, 10**7]))
+        chain = with_grads(rng, random_chain(rng, n, hi=hi, negative_keep=bool(rng.integers(2))), hi)
+        keep_all = chain_peak(chain, tuple(Keep(k) for k in range(n)))
+        lowest = min_peak(chain) - chain.base_bytes
+        for headroom in np.linspace(lowest, keep_all * 1.1, 5).astype(np.int64).tolist():
+            ops = solve(chain, headroom, slots=slots)
+            if ops is not None:
+                assert chain_peak(chain, ops) <= headroom
+            if slots is None and headroom >= keep_all * 1.1 - 1 and headroom > 0:
+                assert ops is not None
+
+
+def test_program_value_with_gradients_is_the_simulated_time() -> None:
+    from remat.plan import solver
+
+    rng = np.random.default_rng(8)
+    for nested in (True, False):
+        for _ in range(8):
+            n = int(rng.integers(1, 30))
+            chain = with_grads(rng, random_chain(rng, n, hi=10**6), 10**6)
+            headroom = (min_peak(chain) - chain.base_bytes) * 3 // 2
+            table = solver._fill(
+                chain, unit_bytes=max(1, -(-headroom // 100)), top_units=100, nested=nested, variants=solver._variants(chain, None)
+            )
+            value = table.opt[0, n, 100]
+            if math.isfinite(value):
+                ops = solver._rebuild(table, 0, n, 100)
+                assert simulate(chain, ops).total_ms == pytest.approx(value, rel=1e-12)
+                assert chain_peak(chain, ops) <= headroom

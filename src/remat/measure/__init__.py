@@ -11,41 +11,47 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from remat._json import load
+from remat._json import Reader, read
 from remat.apply import applied, apply, remove
 from remat.apply.runtime import count_forwards
 from remat.blocks import Block, resolve
 from remat.blocks import blocks as find_blocks
 from remat.errors import BlockSelectionError, RematError
 from remat.measure.trace import (
+    Grads,
+    Loop,
     MemoryTrace,
+    OptimizerLike,
     device_of,
-    held_bytes,
+    iteration,
     median,
     preserved,
     record_memory,
     timed_steps,
     train_step,
-    zero_grads,
 )
 from remat.plan.strategies import Strategy
 from remat.plan.types import Plan
 
-__all__ = ["Measurement", "GradientCheck", "measure", "check_gradients", "MemoryTrace"]
+__all__ = ["Measurement", "GradientCheck", "measure", "check_gradients", "MemoryTrace", "Grads", "Loop"]
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """What a training step really cost (see NOTE [ What a step's peak means ] in ``remat.measure.trace``).
+    """What an iteration of the training loop really cost (see NOTE [ What a step's peak means ] in
+    ``remat.measure.trace``).
 
     Attributes:
-        peak_bytes: Peak of a step above the memory held before it, bytes.
-        step_ms: Median step time (forward + backward), milliseconds.
-        step_ms_all: Every timed step, milliseconds.
+        peak_bytes: Peak of an iteration above the memory held before it, bytes (``loop.describe()``
+            says which iteration, in words).
+        step_ms: Median iteration time (forward + backward + the optimizer's step), milliseconds.
+        step_ms_all: Every timed iteration, milliseconds.
         forward_counts: How many times each block's forward ran in one step (2 = recomputed once).
-        held_bytes: Memory held before the step, bytes.
+        held_bytes: Memory held before the iteration (parameters, buffers, inputs, optimizer state, and
+            gradients when held), bytes.
         device: ``"cpu"`` or ``"cuda"``.
         plan: The label of the plan applied while measuring (``"none"`` if nothing was applied).
+        loop: The iteration measured (files written before loops existed measured ``grads="held"``).
     """
 
     schema_version: ClassVar[int] = 1
@@ -57,6 +63,7 @@ class Measurement:
     held_bytes: int
     device: str
     plan: str
+    loop: Loop = Loop(Grads.HELD)
 
     def to_json(self) -> str:
         """Serialise to a JSON string (with ``schema_version``)."""
@@ -64,11 +71,12 @@ class Measurement:
 
     @classmethod
     def from_json(cls, text: str) -> Measurement:
-        """Read a measurement written by :meth:`to_json`."""
-        data = load(text, "measure", cls.schema_version)
-        data.pop("schema_version")
-        data["step_ms_all"] = tuple(data["step_ms_all"])
-        return cls(**data)
+        """Read a measurement written by :meth:`to_json` (NOTE [ One loading policy ] in ``remat._json``).
+
+        Raises:
+            RematError: If the text is not a measurement of this schema version, or lacks or mistypes a field.
+        """
+        return read(cls, text, Reader("measure", "measure again with remat.measure(...).to_json() or `remat measure MODEL --out measure.json`"))
 
 
 def _count_blocks(model: nn.Module, blocks: Sequence[Block] | None) -> tuple[Block, ...]:
@@ -91,19 +99,29 @@ def measure(
     steps: int = 5,
     warmup: int = 1,
     blocks: Sequence[Block] | None = None,
+    grads: Grads | str = Grads.NONE,
+    optimizer: OptimizerLike | None = None,
 ) -> Measurement:
-    """Run real training steps on the model as it is (checkpointed or not) and measure them.
+    """Run real iterations of the training loop on the model as it is (checkpointed or not) and measure them.
 
     Args:
         model: The model (with or without a remat plan applied).
         inputs: A tensor, a tuple of positional arguments or a dict of keyword arguments.
         loss_fn: Maps the model's output to a scalar loss.
-        steps: Timed steps, >= 1 (the median is reported).
-        warmup: Untimed steps first, >= 1.
+        steps: Timed iterations, >= 1 (the median is reported).
+        warmup: Untimed iterations first, >= 1 (they create the optimizer's state).
         blocks: Blocks whose forward runs to count (default: the applied plan's, else ``remat.blocks``).
+        grads: ``"none"`` (gradients set to ``None`` before each iteration, PyTorch's default) or
+            ``"held"`` (zeroed in place); use the loop the profile was made with.
+        optimizer: The optimizer whose ``step()`` ends each iteration, or a factory of one
+            (``torch.optim.AdamW``); ``None`` for forward + backward only.
 
     Returns:
-        The :class:`Measurement`. The model is left as it was (gradients, buffers, RNG, mode).
+        The :class:`Measurement`. The model is left as it was (parameters, gradients, buffers, RNG,
+        mode, and the optimizer's state).
+
+    Raises:
+        RematError: For bad ``steps``/``warmup``/``grads``/``optimizer`` or a loss that is not a scalar.
     """
     if steps < 1 or warmup < 1:
         raise RematError(f"measure: steps={steps} and warmup={warmup} must both be >= 1")
@@ -112,20 +130,15 @@ def measure(
     firsts = [mods[0] for mods in resolve(model, counted)]
     plan = applied(model)
 
-    def step() -> None:
-        zero_grads(model)
-        train_step(model, inputs, loss_fn)
-
-    with preserved(model, inputs):
-        for _ in range(warmup):
-            step()
-        held = held_bytes(model, inputs)
+    with iteration(model, inputs, loss_fn, grads=grads, optimizer=optimizer, where="measure") as it:
+        held = it.warm_up(warmup)
         times = []
         for _ in range(steps):
-            zero_grads(model)
-            times += timed_steps(lambda: train_step(model, inputs, loss_fn), dev, 1)
+            it.reset()  # outside the timed region, as outside the measured one
+            times += timed_steps(it.step, dev, 1)
+        it.reset()
         with count_forwards(firsts) as counts:
-            trace = record_memory(step, dev)
+            trace = record_memory(it.step, dev)
     return Measurement(
         peak_bytes=trace.peak_bytes,
         step_ms=median(times),
@@ -134,6 +147,7 @@ def measure(
         held_bytes=held,
         device=dev.type,
         plan=plan.strategy if plan is not None else "none",
+        loop=it.loop,
     )
 
 

@@ -31,7 +31,7 @@ from remat.apply import runtime as _runtime
 from remat.blocks import Block, resolve
 from remat.errors import RematError
 from remat.measure import _count_blocks
-from remat.measure.trace import device_of, held_bytes, mark, preserved, record_memory, train_step, zero_grads
+from remat.measure.trace import Grads, Loop, OptimizerLike, device_of, iteration, mark, record_memory
 from remat.profile.profiler import probe
 
 __all__ = ["Timeline", "Phase", "Interval", "timeline", "INTERVAL_KINDS"]
@@ -44,7 +44,7 @@ class Phase(NamedTuple):
     """A phase of the step.
 
     Attributes:
-        name: ``"forward"`` (up to the loss) or ``"backward"``.
+        name: ``"forward"`` (up to the loss), ``"backward"`` or ``"optimizer"`` (its step, when the loop has one).
         start_ms: Start, milliseconds from the start of the step.
         end_ms: End, milliseconds from the start of the step.
     """
@@ -80,13 +80,17 @@ class Timeline:
     Attributes:
         t_ms: Time of every allocation or free, milliseconds from the start of the step.
         bytes: Bytes allocated above the memory held before the step, after each event.
-        phases: The forward phase (up to the loss) and the backward phase.
+        phases: The forward phase (up to the loss), the backward phase and, when the loop has an
+            optimizer, its step.
         intervals: Every block run as ``(block, kind, start_ms, end_ms)``, ordered by start.
         peak_bytes: Peak of the step above the held memory, bytes (the figure ``remat.measure`` reports).
         duration_ms: Length of the step, milliseconds.
-        held_bytes: Memory held before the step (parameters, gradients, buffers, inputs), bytes.
+        held_bytes: Memory held before the step (parameters, buffers, inputs, optimizer state, and
+            gradients when held), bytes.
         plan: The label of the plan applied while recording (``"none"`` if nothing was applied).
         device: ``"cpu"`` or ``"cuda"``.
+        loop: The iteration recorded (NOTE [ What a step's peak means ]; files written before loops
+            existed recorded ``grads="held"``).
     """
 
     schema_version: ClassVar[int] = 1
@@ -100,6 +104,7 @@ class Timeline:
     held_bytes: int
     plan: str
     device: str
+    loop: Loop = Loop(Grads.HELD)
 
     @property
     def peak_ms(self) -> float:
@@ -147,19 +152,24 @@ def timeline(
     *,
     blocks: Sequence[Block] | None = None,
     warmup: int = 1,
+    grads: Grads | str = Grads.NONE,
+    optimizer: OptimizerLike | None = None,
 ) -> Timeline:
-    """Record memory over one training step of the model as it is (checkpointed or not).
+    """Record memory over one iteration of the training loop on the model as it is (checkpointed or not).
 
-    Runs ``warmup`` untimed steps (they allocate the parameter gradients), then one step under the torch
-    profiler with a marker at every block boundary. The model is left exactly as it was: gradients,
-    buffers, RNG state, train/eval mode and any plan applied to it.
+    Runs ``warmup`` untimed iterations (they allocate the optimizer state, and the gradients when
+    held), then one under the torch profiler with a marker at every block boundary. The model is left
+    exactly as it was: parameters, gradients, buffers, RNG state, train/eval mode, the optimizer's
+    state and any plan applied to it.
 
     Args:
         model: The model, with or without a remat plan applied.
         inputs: A tensor, a tuple of positional arguments or a dict of keyword arguments.
         loss_fn: Maps the model's output to a scalar loss.
         blocks: The blocks whose runs to mark (default: the applied plan's, else ``remat.blocks(model)``).
-        warmup: Untimed steps first, >= 1.
+        warmup: Untimed iterations first, >= 1.
+        grads: ``"none"`` (gradients set to ``None`` before each iteration) or ``"held"``, as for ``remat.measure``.
+        optimizer: The optimizer whose ``step()`` ends the iteration, a factory of one, or ``None``.
 
     Returns:
         The :class:`Timeline`; its ``peak_bytes`` is the figure ``remat.measure`` reports.
@@ -168,7 +178,7 @@ def timeline(
         RematError: For ``warmup`` < 1, a loss that is not a scalar, or when the profiler loses markers.
     """
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-        raise RematError(f"timeline: warmup={warmup!r} must be an int >= 1 (it also allocates the parameter gradients)")
+        raise RematError(f"timeline: warmup={warmup!r} must be an int >= 1 (it also allocates the optimizer state)")
     dev = device_of(model, inputs)
     block_list = _count_blocks(model, blocks)
     members = resolve(model, block_list)
@@ -216,15 +226,8 @@ def timeline(
         note("L", 0)  # train_step calls backward right after the loss
         return loss
 
-    def step() -> None:
-        zero_grads(model)
-        train_step(model, inputs, marked_loss)
-
-    with preserved(model, inputs):
-        for _ in range(warmup):
-            zero_grads(model)
-            train_step(model, inputs, loss_fn)
-        held = held_bytes(model, inputs)
+    with iteration(model, inputs, loss_fn, grads=grads, optimizer=optimizer, where="timeline") as it:
+        held = it.warm_up(warmup)
         handles = [
             m.register_forward_hook(ended("E", i, k == len(mods) - 1), always_call=True)
             for i, mods in enumerate(members)
@@ -233,7 +236,7 @@ def timeline(
         handles += [m.register_forward_hook(ended("X", j, True), always_call=True) for j, m in enumerate(sub_modules)]
         try:
             with probe(model, block_list, note), _runtime.observed(runner_report):
-                trace = record_memory(step, dev)
+                trace = record_memory(lambda: it.step(marked_loss), dev)
         finally:
             for h in handles:
                 h.remove()
@@ -244,18 +247,24 @@ def timeline(
     except KeyError:
         raise RematError("timeline: the profiler lost remat's block markers; run with no other profiler active") from None
     duration_ms = trace.duration_ns / 1e6
-    intervals = _intervals(events, times_ms, [b.name for b in block_list], sub_block, duration_ms)
-    loss_ms = next((t for (kind, _, _), t in zip(events, times_ms, strict=True) if kind == "L"), duration_ms)
+    # With an optimizer the backward ends where its step starts.
+    bwd_end_ms = stamps["optimizer_start"][0] / 1e6 if "optimizer_start" in stamps else duration_ms
+    intervals = _intervals(events, times_ms, [b.name for b in block_list], sub_block, bwd_end_ms)
+    loss_ms = next((t for (kind, _, _), t in zip(events, times_ms, strict=True) if kind == "L"), bwd_end_ms)
+    phases = [Phase("forward", 0.0, loss_ms), Phase("backward", loss_ms, bwd_end_ms)]
+    if it.optimizer is not None:
+        phases.append(Phase("optimizer", bwd_end_ms, duration_ms))
     return Timeline(
         t_ms=tuple(t / 1e6 for t in trace.t_ns),
         bytes=trace.level_bytes,
-        phases=(Phase("forward", 0.0, loss_ms), Phase("backward", loss_ms, duration_ms)),
+        phases=tuple(phases),
         intervals=intervals,
         peak_bytes=trace.peak_bytes,
         duration_ms=duration_ms,
         held_bytes=held,
         plan=plan.strategy if plan is not None else "none",
         device=trace.device,
+        loop=it.loop,
     )
 
 
@@ -264,7 +273,7 @@ def _intervals(
     times_ms: list[float],
     names: list[str],
     sub_block: list[int],
-    duration_ms: float,
+    bwd_end_ms: float,
 ) -> tuple[Interval, ...]:
     """Pair the boundaries into intervals (see NOTE [ Real forward runs ])."""
     out: list[Interval] = []
@@ -296,7 +305,7 @@ def _intervals(
         elif kind == "b":
             bwd_end.setdefault(i, t)
     for i, start in bwd_start.items():
-        # A block whose input needs no gradient reports no end of backward: it lasts to the end of the step.
-        out.append(Interval(names[i], "backward", start, bwd_end.get(i, duration_ms)))
+        # A block whose input needs no gradient reports no end of backward: it lasts to the end of the backward.
+        out.append(Interval(names[i], "backward", start, bwd_end.get(i, bwd_end_ms)))
     out.sort(key=lambda iv: (iv.start_ms, INTERVAL_KINDS.index(iv.kind)))
     return tuple(out)

@@ -1,10 +1,31 @@
-"""Running one training step and recording every allocation and free it makes.
+"""Running one iteration of the user's training loop and recording every allocation and free it makes.
 
 # NOTE [ What a step's peak means ]
-remat reports the peak of a training step *above the memory held before it*: parameters, buffers,
-inputs and parameter gradients are held (remat runs a warm-up step so gradients exist and zeroes them
-in place, as a loop that keeps its gradient buffers does); what the step adds on top — activations
-saved for backward, temporaries, gradients of activations — is what checkpointing changes.
+A budget, a profile's peak and a measurement's peak are one figure: the peak of *one iteration of
+the user's training loop* above the memory held when it starts. The loop is described by
+:class:`Loop` (``grads=`` and ``optimizer=`` of ``remat.profile`` / ``measure`` / ``timeline``):
+
+  * ``grads="none"`` (the default, PyTorch's: ``optimizer.zero_grad()`` sets gradients to ``None``):
+    the iteration starts with no parameter gradients; each is allocated in the backward, when the
+    module that owns it runs its backward, and stays to the end of the iteration. Held before it:
+    parameters, buffers, inputs and the optimizer state.
+  * ``grads="held"`` (``zero_grad(set_to_none=False)``, remat's only definition before loops existed):
+    gradients are allocated before the iteration and zeroed in place; they are held too.
+  * ``optimizer``: the iteration ends with ``optimizer.step()``; its own temporaries (Adam's update
+    of each parameter, the lists of foreach kernels) are part of the peak. Its state (AdamW's
+    ``exp_avg`` and ``exp_avg_sq``) is created by the first step and held before every later one, so
+    it counts as held: remat runs warm-up iterations first, and the figure is that of every
+    iteration but the very first of a run (which also allocates the state, twice the parameters for
+    Adam). Without an optimizer the iteration ends with the backward.
+
+So "peak 40 MiB" with ``grads="none"`` and AdamW reads: the peak of forward + backward + AdamW step,
+gradients allocated in the backward, above parameters, buffers, inputs and optimizer state
+(:meth:`Loop.describe`); add the held memory for what ``torch.cuda.max_memory_allocated`` reports.
+What the iteration adds — activations saved for backward, temporaries, gradients of activations,
+parameter gradients with ``grads="none"``, the optimizer's temporaries — is what a plan must fit;
+only the activations are what checkpointing changes. Measuring leaves the model as it was: the
+optimizer steps change parameters and optimizer state, which :func:`iteration` puts back.
+
 On CPU the figure is exact: the torch profiler records every allocation and free of the step
 (``profile_memory=True``) and remat cumulates their signed sizes in time order. On CUDA the same
 events are read for the timeline and the allocator's ``max_memory_allocated`` gives the peak.
@@ -13,12 +34,14 @@ events are read for the timeline and the allocator's ``max_memory_allocated`` gi
 from __future__ import annotations
 
 import contextlib
+import copy
+import enum
 import os
 import statistics
 import sys
 import time
 from bisect import bisect_right
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +53,12 @@ from torch.utils._pytree import tree_leaves
 from remat.errors import RematError
 
 __all__ = [
+    "Grads",
+    "Loop",
+    "OptimizerLike",
+    "Iteration",
+    "iteration",
+    "parse_grads",
     "MemoryTrace",
     "call_model",
     "train_step",
@@ -121,21 +150,24 @@ def preserved(model: nn.Module, inputs: Any = None) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-def held_bytes(model: nn.Module, inputs: Any) -> int:
+def held_bytes(model: nn.Module, inputs: Any, optimizer: torch.optim.Optimizer | None = None) -> int:
     """Memory held before a step: on CUDA the allocator's figure, on CPU the unique storages of
-    parameters, gradients, buffers and inputs."""
+    parameters, gradients, buffers, inputs and the optimizer's state."""
     dev = device_of(model, inputs)
     if dev.type == "cuda":
         return int(torch.cuda.memory_allocated(dev))
     seen: dict[int, int] = {}
     tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
     tensors += [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    if optimizer is not None:
+        tensors += [t for state in optimizer.state.values() for t in tree_leaves(state) if isinstance(t, torch.Tensor) and t.device == dev]
     for t in tensors:
         try:
             st = t.untyped_storage()
+            # A DTensor (FSDP2's sharded parameters) or a freed storage has no data pointer: skip it.
+            seen[st.data_ptr()] = st.nbytes()
         except (RuntimeError, NotImplementedError):
             continue
-        seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
 
 
@@ -337,3 +369,225 @@ def zero_grads(model: nn.Module) -> None:
         if p.grad is not None:
             p.grad.detach_()
             p.grad.zero_()
+
+
+class Grads(str, enum.Enum):
+    """Where parameter gradients are when an iteration of the training loop starts (NOTE [ What a step's peak means ]).
+
+    Attributes:
+        NONE: Set to ``None`` (``optimizer.zero_grad()``, PyTorch's default): allocated in the backward.
+        HELD: Allocated and zeroed in place (``zero_grad(set_to_none=False)``): held before the iteration.
+    """
+
+    NONE = "none"
+    HELD = "held"
+
+
+OptimizerLike = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+"""An optimizer whose ``step()`` ends each iteration, or a factory that builds one from the parameters
+(``torch.optim.AdamW``, ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``)."""
+
+
+@dataclass(frozen=True)
+class Loop:
+    """Which iteration a peak is the peak of: how gradients start, and which optimizer steps after the backward.
+
+    Attributes:
+        grads: :attr:`Grads.NONE` (gradients allocated in the backward) or :attr:`Grads.HELD`.
+        optimizer: Class name of the optimizer whose ``step()`` ends the iteration (``None``: no step).
+    """
+
+    grads: Grads = Grads.NONE
+    optimizer: str | None = None
+
+    def describe(self) -> str:
+        """The definition in words, e.g. "peak of forward + backward + AdamW step, gradients allocated in
+        the backward, above parameters, buffers, inputs and optimizer state"."""
+        step = "forward + backward" + (f" + {self.optimizer} step" if self.optimizer else "")
+        held = ["parameters", *(["gradients"] if self.grads is Grads.HELD else []), "buffers", "inputs"]
+        if self.optimizer:
+            held.append("optimizer state")
+        grads = "gradients allocated in the backward" if self.grads is Grads.NONE else "gradients held, zeroed in place"
+        return f"peak of {step}, {grads}, above {', '.join(held[:-1])} and {held[-1]}"
+
+
+def parse_grads(grads: Grads | str, where: str) -> Grads:
+    """``grads`` as a :class:`Grads`.
+
+    Raises:
+        RematError: If it names no loop style; the message lists the valid ones.
+    """
+    if isinstance(grads, Grads):
+        return grads
+    try:
+        return Grads(grads)
+    except ValueError:
+        valid = ", ".join(repr(g.value) for g in Grads)
+        raise RematError(
+            f"{where}: grads={grads!r} is not a loop style; valid styles are {valid} ('none': gradients set to "
+            "None before each iteration, PyTorch's default; 'held': zeroed in place)"
+        ) from None
+
+
+class Iteration:
+    """One iteration of the user's training loop on a model (NOTE [ What a step's peak means ]).
+
+    Built by :func:`iteration`, which puts everything it changes back. :meth:`reset` is what the loop
+    does between iterations (outside every measurement); :meth:`step` is the iteration itself.
+
+    Attributes:
+        model: The model.
+        inputs: Its batch.
+        loss_fn: Maps the model's output to a scalar loss.
+        loop: The loop it runs.
+        optimizer: The optimizer whose ``step()`` ends the iteration, or ``None``.
+    """
+
+    def __init__(
+        self, model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor], loop: Loop, optimizer: torch.optim.Optimizer | None
+    ) -> None:
+        self.model = model
+        self.inputs = inputs
+        self.loss_fn = loss_fn
+        self.loop = loop
+        self.optimizer = optimizer
+
+    def reset(self) -> None:
+        """Between iterations: gradients to ``None``, or zeroed in place (allocated if missing)."""
+        if self.loop.grads is Grads.NONE:
+            for p in self.model.parameters():
+                p.grad = None
+        else:
+            zero_grads(self.model)
+
+    def step(self, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> torch.Tensor:
+        """Forward, backward and the optimizer's step; returns the detached loss."""
+        loss = train_step(self.model, self.inputs, loss_fn or self.loss_fn)
+        self.optimizer_step()
+        return loss
+
+    def optimizer_step(self) -> None:
+        """The optimizer's step, if the loop has one, between the markers ``optimizer_start`` and ``optimizer_end``."""
+        if self.optimizer is not None:
+            mark("optimizer_start")
+            self.optimizer.step()
+            mark("optimizer_end")
+
+    def run(self) -> None:
+        """A whole unmeasured iteration: :meth:`reset`, then :meth:`step`."""
+        self.reset()
+        self.step()
+
+    def warm_up(self, iterations: int) -> int:
+        """Run ``iterations`` whole iterations (they allocate the optimizer state, and the gradients when
+        held), then reset; returns the memory held before the next one, bytes."""
+        for _ in range(iterations):
+            self.run()
+        self.reset()
+        return held_bytes(self.model, self.inputs, self.optimizer)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    # On the host, so that the copies do not count in what a CUDA step finds allocated.
+    return t.detach().to("cpu", copy=True)
+
+
+@contextlib.contextmanager
+def _parameters_kept(params: Iterable[nn.Parameter]) -> Iterator[None]:
+    """Put every parameter's values back in place afterwards (an optimizer step changes them)."""
+    saved = [(p, _host_copy(p)) for p in params]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, copy_ in saved:
+                p.copy_(copy_)
+
+
+@contextlib.contextmanager
+def _optimizer_kept(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Put the optimizer's state and hyper-parameters back afterwards: tensors in place, state the
+    measurement created (AdamW's first step) removed."""
+    state = {
+        p: {k: (v, _host_copy(v)) if isinstance(v, torch.Tensor) else (v, copy.deepcopy(v)) for k, v in entries.items()}
+        for p, entries in optimizer.state.items()
+    }
+    groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p in [p for p in optimizer.state if p not in state]:
+                del optimizer.state[p]
+            for p, entries in state.items():
+                now = optimizer.state[p]
+                for k in [k for k in now if k not in entries]:
+                    del now[k]
+                for k, (orig, saved) in entries.items():
+                    if isinstance(orig, torch.Tensor) and orig.shape == saved.shape:
+                        orig.copy_(saved)
+                        now[k] = orig
+                    else:
+                        now[k] = saved
+        for g, saved_group in zip(optimizer.param_groups, groups):
+            for k in [k for k in g if k != "params" and k not in saved_group]:
+                del g[k]
+            g.update(saved_group)
+
+
+def _optimizer(model: nn.Module, optimizer: OptimizerLike | None, where: str) -> tuple[torch.optim.Optimizer | None, bool]:
+    """The optimizer to step, and whether it was built here (from a factory) for this measurement only."""
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer, False
+    if not callable(optimizer):
+        raise RematError(
+            f"{where}: optimizer={optimizer!r} is neither a torch.optim.Optimizer nor a callable that builds one; "
+            "pass the optimizer you train with, or a factory such as torch.optim.AdamW"
+        )
+    built = optimizer([p for p in model.parameters() if p.requires_grad])
+    if not isinstance(built, torch.optim.Optimizer):
+        raise RematError(
+            f"{where}: optimizer factory {getattr(optimizer, '__name__', optimizer)!r} returned {type(built).__name__}, "
+            "not a torch.optim.Optimizer; pass a callable that builds one from a list of parameters, e.g. torch.optim.AdamW"
+        )
+    return built, True
+
+
+@contextlib.contextmanager
+def iteration(
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor],
+    *,
+    grads: Grads | str = Grads.NONE,
+    optimizer: OptimizerLike | None = None,
+    where: str = "measure",
+) -> Iterator[Iteration]:
+    """The user's training iteration, for measuring; afterwards the model is exactly as it was.
+
+    Everything :func:`preserved` restores is restored (gradients, buffers, RNG state, modes) and, with
+    an optimizer, every parameter's values and the optimizer's state and hyper-parameters. A factory
+    is called once, on the parameters that require grad; the optimizer it builds is dropped afterwards.
+
+    Args:
+        model: The model.
+        inputs: A tensor, a tuple of positional arguments or a dict of keyword arguments.
+        loss_fn: Maps the model's output to a scalar loss.
+        grads: ``"none"`` (gradients set to ``None`` before each iteration) or ``"held"``.
+        optimizer: An optimizer, a factory of one, or ``None`` (no optimizer step).
+        where: The caller, the start of every message (``"profile"``, ``"measure"`` ...).
+
+    Raises:
+        RematError: For an unknown ``grads`` or an ``optimizer`` that is not one.
+    """
+    style = parse_grads(grads, where)
+    opt, built = _optimizer(model, optimizer, where)
+    loop = Loop(style, type(opt).__name__ if opt is not None else None)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(preserved(model, inputs))
+        if opt is not None:
+            params = {id(p): p for p in [*model.parameters(), *(p for g in opt.param_groups for p in g["params"])]}
+            stack.enter_context(_parameters_kept(params.values()))
+            if not built:
+                stack.enter_context(_optimizer_kept(opt))
+        yield Iteration(model, inputs, loss_fn, loop, opt)

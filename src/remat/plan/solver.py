@@ -48,6 +48,24 @@ Each way has its own ``S, fp, bp`` (lowered by the bytes freed) and extra time; 
 program keeps a block (keep-first, and the last block of a range) it takes the best way. So the
 optimal plan dominates ``attention_only`` / ``ffn_only`` as it dominates the block-level rules.
 
+# NOTE [ Gradients in the program ]
+With gradients set to ``None`` before the iteration, block ``k``'s backward leaves ``G[k]`` bytes of
+parameter gradients (NOTE [ Chain cost model ]), so what runs later runs above more memory: in
+``opt(s, t, ·)`` the backward of ``s`` (kept first) runs above ``G[s+1..t]``, and the inner plan of
+a checkpoint ``s -> k`` above ``G[k..t]``. Counting ``m`` above the entry level would make the inner
+shift ``x[k] + G[k..t]`` depend on ``t`` and break the layout of ``W`` below; so ``m`` counts the
+headroom above the entry level *less the gradients of the blocks after t*, ``A[t+1] = G[t+1..n]``,
+which are held throughout ``s..t``. The real headroom is ``m - A[t+1]``, and the rules read
+  s == t          if max(fp[s], S[s] + bp[s]) + A[s+1] <= m
+  keep-first      opt(s+1, t, m - S[s])  if fp[s] + A[t+1] <= m and S[s] + bp[s] + A[s+1] <= m
+  checkpoint k    opt(k, t, m - x[k]) + opt(s, k-1, m - x[k])    if nosave(s, k) + A[t+1] <= m
+(the inner plan's ``m`` is ``m - x[k] - A[t+1] - G[k..t] + A[k]``, i.e. ``m - x[k]``): every shift
+is as before and only the thresholds of forwards move with ``t``. ``W[s, k]`` keeps the cut at
+``nosave(s, k)``; where ``A[t+1] > 0`` the candidates of ``(s, t)`` are cut again at
+``nosave(s, k) + A[t+1]`` (one vectorised mask per ``(s, t)``). With gradients held, ``G = 0`` and
+the program is the one above. The peak recursion of :func:`min_peak` counts from the entry level and
+adds ``G[s+1..t]`` and ``G[k..t]`` where they are held.
+
 The table is filled for ``t = 0..n`` and, within ``t``, for ``s = t..0``, one numpy row over ``m``
 at a time. Two shifted copies of every finished row are kept in one array ``W``, laid out so that
 the candidates ``k = s+1..t`` of ``(s, t)`` are two contiguous ``(t - s, M)`` slices:
@@ -127,6 +145,8 @@ def _kept_sizes(chain: Chain, k: int, saved: int) -> tuple[int, int, int]:
 
 # A way to keep a block: (sub-modules checkpointed inside it or None, S, fp, bp, extra ms).
 _Variant = tuple[tuple[str, ...] | None, int, int, int, float]
+# The same in the program's units (see _Table.kept).
+_Way = tuple[tuple[str, ...] | None, int, int, int, int, float]
 
 
 def _variants(chain: Chain, sub_costs: SubCosts | None) -> list[list[_Variant]]:
@@ -205,6 +225,7 @@ class _Simulator:
         keep, _, bwd_peak = self._block_sizes(op)
         self._rise(bwd_peak)
         self.level -= keep - discard
+        self.level += int(self.chain.grad_bytes[op.index])  # its parameters' gradients stay
         if isinstance(op, RecomputeSub):
             self.extra_ms += float(self._sub_cost(op)[1])
 
@@ -214,6 +235,7 @@ class _Simulator:
         self.level += c.keep_bytes[n]
         self._rise(c.bwd_peak_bytes[n])
         self.level -= c.keep_bytes[n]
+        self.level += int(c.grad_bytes[n])
 
 
 def simulate(chain: Chain, ops: tuple[Op, ...], sub_costs: SubCosts | None = None) -> Simulation:
@@ -276,24 +298,43 @@ class _Table:
     rest_units: list[int]  # checkpoint s..k-1, then run k..t: m -> m - rest_units[k]
     inner_units: list[int]  # checkpoint s..k-1, then its inner plan: m -> m - inner_units[k]
     # Per block, per way of keeping it (NOTE [ Keep variants ]): sub-modules checkpointed (None: plain),
-    # units it costs, units needed to keep it before / as the last block of a range, and f + b + extra.
-    kept: list[list[tuple[tuple[str, ...] | None, int, int, int, float]]]
+    # units it costs, fp in bytes, units its backward needs when kept before more blocks, units it
+    # needs as the last block of a range, and f + b + extra (NOTE [ Gradients in the program ]).
+    kept: list[list[_Way]]
     nested: bool
+    unit_bytes: int
+    slack: list[int]  # m units at block s stand for at least m * u + slack[s] bytes
+    grads_after: list[int]  # grads_after[j] = G[j] + ... + G[n] (0 for j = n + 1)
+    nosave_bytes: npt.NDArray[np.int64]  # [s, k]: nosave(s, k) + ckpt_state_bytes (0 where blocked)
 
     def shift_index(self, m: int, units: int) -> int:
         """Index of ``opt(·, ·, m - units)`` in the table (clamped at the top), or -1 if below 0."""
         j = m - units
         return -1 if j < 0 else min(j, self.size - 1)
 
+    def units_for(self, nbytes: int, s: int) -> int:
+        """Units of ``m`` at block ``s`` needed for ``nbytes`` bytes of headroom."""
+        return _ceil_div(nbytes - self.slack[s], self.unit_bytes)
+
+    def keep_ok(self, s: int, t: int, way: _Way) -> int:
+        """Units of ``m`` needed to keep ``s`` (this way) before blocks ``s+1..t``: its forward runs above the
+        gradients of the blocks after ``t`` (NOTE [ Gradients in the program ])."""
+        return max(self.units_for(way[2] + self.grads_after[t + 1], s), way[3])
+
+    def nosave_ok(self, s: int, t: int, k: int) -> int:
+        """Units of ``m`` needed for the no-save forward of ``s..k-1`` in ``(s, t)``."""
+        return self.units_for(int(self.nosave_bytes[s, k]) + self.grads_after[t + 1], s)
+
     def keep_choice(self, s: int, t: int, m: int, value: float) -> tuple[tuple[str, ...] | None, int] | None:
         """The first way of keeping ``s`` that reproduces ``value`` at ``(s, t, m)``, and the next ``m``."""
-        for fqns, units, ok, last_ok, fb in self.kept[s]:
+        for way in self.kept[s]:
+            fqns, units, _fwd, _bwd_ok, last_ok, fb = way
             if s == t:
                 if m >= last_ok and fb == value:
                     return fqns, m
                 continue
             j = self.shift_index(m, units)
-            if m >= ok and j >= 0 and float(fb + self.opt[s + 1, t, j]) == value:
+            if m >= self.keep_ok(s, t, way) and j >= 0 and float(fb + self.opt[s + 1, t, j]) == value:
                 return fqns, j
         return None
 
@@ -332,18 +373,22 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
     held = _held(chain)
     rest_units = [_ceil_div(held[k] + slack[k], u) for k in range(n + 1)]
     inner_units = [_ceil_div(held[k], u) for k in range(n + 1)]
+    # NOTE [ Gradients in the program ]: m is headroom above the entry level less the gradients of
+    # the blocks after t; a backward needs them, a forward of s..t runs above those of blocks after t.
+    after = _grads_after(chain)
     # NOTE [ Keep variants ]: a block kept with sub-modules checkpointed holds fewer bytes for more time.
     # Keeping s the plain way costs exactly level_units[s+1] - level_units[s] (the ceil telescopes);
     # any way costs ceil((S_v + slack[s+1] - slack[s]) / u), which is that for the plain S.
-    kept: list[list[tuple[tuple[str, ...] | None, int, int, int, float]]] = []
+    kept: list[list[_Way]] = []
     for s in range(n + 1):
-        ways = []
+        ways: list[_Way] = []
         for fqns, keep, fwd_peak, bwd_peak, extra in variants[s]:
             units = _ceil_div(keep + slack[s + 1] - slack[s], u) if s < n else _ceil_div(keep, u)
-            ok = _ceil_div(max(fwd_peak, keep + bwd_peak) - slack[s], u)
+            # Kept before s+1..t, its backward runs above their gradients: t drops out (grads_after[s+1]).
+            bwd_ok = _ceil_div(keep + bwd_peak + after[s + 1] - slack[s], u)
             freed = int(chain.out_free_bytes[s]) if s < n else 0  # the last block of a recomputed range
-            last_ok = _ceil_div(max(fwd_peak, keep - freed + bwd_peak) - slack[s], u)
-            ways.append((fqns, units, ok, last_ok, float(f[s]) + float(b[s]) + extra))
+            last_ok = _ceil_div(max(fwd_peak, keep - freed + bwd_peak) + after[s + 1] - slack[s], u)
+            ways.append((fqns, units, int(fwd_peak), bwd_ok, last_ok, float(f[s]) + float(b[s]) + extra))
         kept.append(ways)
     # Negative sizes give headroom back; widen the table by as much so that is not lost to clamping.
     gain = sum(max(0, -w[1]) for ways in kept for w in ways) + sum(max(0, -v) for v in rest_units + inner_units)
@@ -351,23 +396,33 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
 
     opt = np.full((n + 1, n + 1, size), _INF)
     shifted = np.full((n + 1, n + 1, size), _INF)
+    nosave_bytes = np.zeros((n + 1, n + 1), dtype=np.int64)
+    table = _Table(n, size, opt, shifted, rest_units, inner_units, kept, nested, u, slack, after, nosave_bytes)
     scratch = np.empty((n + 1, size))
+    columns = np.arange(size)
     for t in range(n + 1):
         for s in range(t, -1, -1):
             row = opt[s, t]
             if s == t:
-                for _fqns, _units, _ok, last_ok, fb in kept[s]:
+                for _fqns, _units, _fwd, _bwd_ok, last_ok, fb in kept[s]:
                     lo = min(max(0, last_ok), size)
                     np.minimum(row[lo:], fb, out=row[lo:])
             else:
                 best = np.full(size, _INF)
-                for _fqns, units, ok, _last_ok, fb in kept[s]:
-                    cand = _shift(opt[s + 1, t], units) + fb
-                    cand[: max(0, min(ok, size))] = _INF
+                for way in kept[s]:
+                    cand = _shift(opt[s + 1, t], way[1]) + way[5]
+                    cand[: max(0, min(table.keep_ok(s, t, way), size))] = _INF
                     np.minimum(best, cand, out=best)
                 hi = t + 1 if nested else s + 2
                 buf = scratch[: hi - s - 1]
                 np.add(shifted[t, s + 1 : hi], shifted[s, s + 1 : hi], out=buf)
+                if after[t + 1]:
+                    # W[s, k] is cut where the no-save forward does not fit with no gradients held; here
+                    # it runs above those of the blocks after t (NOTE [ Gradients in the program ]).
+                    need = -((slack[s] - after[t + 1] - nosave_bytes[s, s + 1 : hi]) // u)
+                    lim = int(min(size, max(0, int(need.max()))))
+                    if lim:
+                        np.copyto(buf[:, :lim], _INF, where=columns[None, :lim] < need[:, None])
                 np.minimum(best, buf.min(axis=0), out=row)
             # W[t, s] = opt(s, t, m - rest_units[s]), used by (s', t) with s' < s as "the rest after
             # checkpointing s'..s-1".
@@ -387,11 +442,12 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
                 fsum = float(chain.ckpt_fwd_ms[s]) + fsum
                 if s < t:
                     later = max(later, int(chain.fwd_peak_bytes[s + 1]) + int(chain.x_bytes[s + 1]))
-                nosave = int(max(int(chain.fwd_peak_bytes[s]), later))
+                nosave = int(max(int(chain.fwd_peak_bytes[s]), later)) + int(chain.ckpt_state_bytes)
+                nosave_bytes[s, t + 1] = nosave
                 w = _shift(opt[s, t], inner_units[t + 1]) + (fsum + float(chain.ckpt_call_ms))
-                w[: max(0, min(_ceil_div(nosave + int(chain.ckpt_state_bytes) - slack[s], u), size))] = _INF
+                w[: max(0, min(_ceil_div(nosave - slack[s], u), size))] = _INF
                 shifted[s, t + 1] = w
-    return _Table(n, size, opt, shifted, rest_units, inner_units, kept, nested)
+    return table
 
 
 def _rebuild(table: _Table, s: int, t: int, m: int) -> tuple[Op, ...]:
@@ -406,7 +462,7 @@ def _rebuild(table: _Table, s: int, t: int, m: int) -> tuple[Op, ...]:
             s += 1
             continue
         for k in table.candidates(s, t):
-            if table.shifted[t, k, m] + table.shifted[s, k, m] == value:
+            if m >= table.nosave_ok(s, t, k) and table.shifted[t, k, m] + table.shifted[s, k, m] == value:
                 inner_m = table.shift_index(m, table.inner_units[k])
                 ops.append(Recompute(s, k, _rebuild(table, s, k - 1, inner_m)))
                 m, s = table.shift_index(m, table.rest_units[k]), k
@@ -480,20 +536,33 @@ def solve(
 _BIG = 1 << 62
 
 
+def _grads_after(chain: Chain) -> list[int]:
+    """``out[j] = G[j] + ... + G[n]``: the gradients held once blocks ``j..n`` ran their backward (``out[n+1] = 0``)."""
+    out = [0] * (chain.n + 2)
+    for j in range(chain.n, -1, -1):
+        out[j] = out[j + 1] + int(chain.grad_bytes[j])
+    return out
+
+
 def _held(chain: Chain) -> list[int]:
     """What a checkpoint ending before block ``k`` holds (single-block segments; see ``Chain.segment_bytes``)."""
     return [chain.segment_bytes(k - 1, k) if k else int(chain.x_bytes[0]) + int(chain.ckpt_state_bytes) for k in range(chain.n + 1)]
 
 
-def _peak_ways(chain: Chain, variants: list[list[_Variant]]) -> list[list[tuple[tuple[str, ...] | None, int, int, int]]]:
-    """Per block, per way of keeping it: (sub-modules, S, peak when kept before more blocks, peak as the last)."""
+def _peak_ways(chain: Chain, variants: list[list[_Variant]]) -> list[list[tuple[tuple[str, ...] | None, int, int, int, int]]]:
+    """Per block, per way of keeping it: (sub-modules, S, fp, S + bp, peak as the last block of a range)."""
     out = []
     for s, ways in enumerate(variants):
         freed = int(chain.out_free_bytes[s]) if s < chain.n else 0
-        out.append(
-            [(fqns, keep, max(fp, keep + bp), max(fp, keep - freed + bp)) for fqns, keep, fp, bp, _extra in ways]
-        )
+        out.append([(fqns, keep, fp, keep + bp, max(fp, keep - freed + bp)) for fqns, keep, fp, bp, _extra in ways])
     return out
+
+
+def _kept_peak(way: tuple[tuple[str, ...] | None, int, int, int, int], grads: int, rest: int) -> int:
+    """Peak of keeping a block (this way) before a range whose peak is ``rest`` and whose backward
+    allocates ``grads`` bytes of gradients, above the block's entry level."""
+    _fqns, keep, fwd_peak, keep_bwd_peak, _last = way
+    return max(fwd_peak, keep_bwd_peak + grads, keep + rest)
 
 
 def _peak_table(
@@ -511,15 +580,18 @@ def _peak_table(
             nosave[s, k] = _BIG if blocked else running + int(chain.ckpt_state_bytes)
             if k < n:
                 running = max(running, int(chain.fwd_peak_bytes[k]) + int(chain.x_bytes[k]))
+    # NOTE [ Gradients in the program ]: the backward of s..k-1 runs above the gradients of k..t.
+    after = np.asarray(_grads_after(chain), dtype=np.int64)
     peak = np.zeros((n + 1, n + 1), dtype=np.int64)
     for t in range(n + 1):
-        peak[t, t] = min(last for _f, _k, _ok, last in ways[t])
+        peak[t, t] = min(way[4] for way in ways[t])
         for s in range(t - 1, -1, -1):
-            best = min(max(ok, keep + int(peak[s + 1, t])) for _f, keep, ok, _last in ways[s])
+            grads = int(after[s + 1] - after[t + 1])
+            best = min(_kept_peak(way, grads, int(peak[s + 1, t])) for way in ways[s])
             hi = t + 1 if nested else s + 2
             ks = slice(s + 1, hi)
-            xs = x[ks]
-            cand = np.maximum(nosave[s, ks], xs + np.maximum(peak[ks, t], peak[s, s : hi - 1]))
+            inner = after[ks] - after[t + 1] + peak[s, s : hi - 1]
+            cand = np.maximum(nosave[s, ks], x[ks] + np.maximum(peak[ks, t], inner))
             peak[s, t] = min(best, int(cand.min()))
     return peak, nosave
 
@@ -541,24 +613,27 @@ def min_peak_plan(chain: Chain, *, nested: bool = True, sub_costs: SubCosts | No
     ways = _peak_ways(chain, variants)
     n = chain.n
     x = _held(chain)  # what a checkpoint holds
+    after = _grads_after(chain)
 
     def build(s: int, t: int) -> tuple[Op, ...]:
         ops: list[Op] = []
         while s < t:
-            kept = [f for f, keep, ok, _last in ways[s] if max(ok, keep + int(peak[s + 1, t])) == peak[s, t]]
+            grads = after[s + 1] - after[t + 1]
+            kept = [way[0] for way in ways[s] if _kept_peak(way, grads, int(peak[s + 1, t])) == peak[s, t]]
             if kept:
                 ops.append(_kept_op(s, kept[0]))
                 s += 1
                 continue
             for k in range(s + 1, t + 1 if nested else s + 2):
-                if max(int(nosave[s, k]), int(x[k]) + int(max(peak[k, t], peak[s, k - 1]))) == peak[s, t]:
+                inner = after[k] - after[t + 1] + int(peak[s, k - 1])
+                if max(int(nosave[s, k]), int(x[k]) + max(int(peak[k, t]), inner)) == peak[s, t]:
                     ops.append(Recompute(s, k, build(s, k - 1)))
                     s = k
                     break
             else:  # pragma: no cover - mirrors _peak_table
                 raise RematError(f"min_peak: internal error, no candidate reproduces P({s}, {t}) = {peak[s, t]}")
         if t < n:
-            ops.append(_kept_op(t, next(f for f, _k, _ok, last in ways[t] if last == peak[t, t])))
+            ops.append(_kept_op(t, next(way[0] for way in ways[t] if way[4] == peak[t, t])))
         return tuple(ops)
 
     return build(0, n)

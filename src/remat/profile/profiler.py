@@ -21,17 +21,18 @@ from remat.blocks import Block, fingerprint, resolve
 from remat.blocks import blocks as find_blocks
 from remat.errors import BlockSelectionError, RematError
 from remat.measure.trace import (
+    Grads,
+    Iteration,
     MemoryTrace,
+    OptimizerLike,
     call_model,
     device_of,
-    held_bytes,
+    iteration,
     live_allocations,
     mark,
     median,
-    preserved,
     record_memory,
     train_step,
-    zero_grads,
 )
 from remat.plan.chain import Keep, Op, Recompute, RecomputeSub
 from remat.profile.types import BlockProfile, Profile, SubProfile
@@ -268,15 +269,14 @@ def _timing_configs(block_list: Sequence[Block], *, chain: bool) -> dict[str, tu
 
 
 def _timed_step(
-    model: nn.Module,
-    inputs: Any,
-    loss_fn: Callable[[Any], torch.Tensor],
+    it: Iteration,
     block_list: Sequence[Block],
     members: list[list[nn.Module]],
     ops: tuple[Op, ...],
     dev: torch.device,
 ) -> list[tuple[str, int, int]]:
-    """One training step with ``ops`` installed; wall-clock time of every boundary (first is start)."""
+    """One iteration with ``ops`` installed; wall-clock time of every boundary (first is start, then
+    the end of the backward ``("backward_end", 0)`` and the end of the optimizer's step ``("end", 0)``)."""
     events: list[tuple[str, int, int]] = []
 
     def clock(kind: str, i: int) -> None:
@@ -285,12 +285,14 @@ def _timed_step(
         events.append((kind, i, time.perf_counter_ns()))
 
     # Stateful blocks are timed too (their state is put back by ``preserved``); plans keep them.
-    touched = install(model, ops, members, [b.fqns for b in block_list], allow_stateful=True)
+    touched = install(it.model, ops, members, [b.fqns for b in block_list], allow_stateful=True)
     try:
-        with probe(model, block_list, clock):
-            zero_grads(model)
+        with probe(it.model, block_list, clock):
+            it.reset()
             events.append(("start", 0, time.perf_counter_ns()))
-            train_step(model, inputs, loss_fn)
+            train_step(it.model, it.inputs, it.loss_fn)
+            clock("backward_end", 0)
+            it.optimizer_step()
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             events.append(("end", 0, time.perf_counter_ns()))
@@ -314,28 +316,36 @@ def profile(
     blocks: Sequence[Block] | None = None,
     repeats: int = 5,
     warmup: int = 1,
+    grads: Grads | str = Grads.NONE,
+    optimizer: OptimizerLike | None = None,
 ) -> Profile:
-    """Measure a model's blocks on a real batch.
+    """Measure a model's blocks on a real batch, in an iteration of the training loop the user runs.
 
-    Runs ``warmup`` plain training steps, ``repeats`` timed steps (median per block), one step under the
-    torch profiler for memory and one under ``FlopCounterMode`` for FLOPs. The model is left exactly as
-    it was: gradients, buffers (BatchNorm statistics), RNG state, train/eval mode and any remat plan
-    applied to it.
+    Runs ``warmup`` plain iterations, ``repeats`` timed iterations (median per block), one iteration
+    under the torch profiler for memory and one forward + backward under ``FlopCounterMode`` for FLOPs.
+    The profile's peak, and the budgets of plans made from it, are the peak of that iteration (NOTE
+    [ What a step's peak means ] in ``remat.measure.trace``; ``Profile.loop`` records it). The model is
+    left exactly as it was: parameters, gradients, buffers (BatchNorm statistics), RNG state,
+    train/eval mode, the optimizer's state and any remat plan applied to it.
 
     Args:
         model: The model, on the device to profile on.
         inputs: A tensor, a tuple of positional arguments or a dict of keyword arguments.
         loss_fn: Maps the model's output to a scalar loss.
         blocks: The blocks to measure (default: ``remat.blocks(model)``).
-        repeats: Timed steps, >= 1.
-        warmup: Untimed steps first, >= 1 (it also allocates the parameter gradients).
+        repeats: Timed iterations, >= 1.
+        warmup: Untimed iterations first, >= 1 (they create the optimizer's state).
+        grads: ``"none"`` (gradients set to ``None`` before each iteration, ``optimizer.zero_grad()``'s
+            default: they are allocated in the backward) or ``"held"`` (zeroed in place, held before it).
+        optimizer: The optimizer whose ``step()`` ends each iteration, or a factory that builds one
+            from the parameters (``torch.optim.AdamW``); ``None`` for forward + backward only.
 
     Returns:
         The :class:`Profile`.
 
     Raises:
-        RematError: For bad ``repeats``/``warmup``, a loss that is not a scalar, or blocks that do not
-            run exactly once per step in their listed order.
+        RematError: For bad ``repeats``/``warmup``/``grads``/``optimizer``, a loss that is not a scalar,
+            or blocks that do not run exactly once per step in their listed order.
     """
     if repeats < 1 or warmup < 1:
         raise RematError(f"profile: repeats={repeats} and warmup={warmup} must both be >= 1")
@@ -347,18 +357,14 @@ def profile(
     dev = device_of(model, inputs)
     n = len(block_list)
 
-    def step() -> None:
-        zero_grads(model)
-        train_step(model, inputs, loss_fn)
+    with _suspended(model), iteration(model, inputs, loss_fn, grads=grads, optimizer=optimizer, where="profile") as it:
+        held = it.warm_up(warmup)
 
-    with _suspended(model), preserved(model, inputs):
-        for _ in range(warmup):
-            step()
-        held = held_bytes(model, inputs)
-
-        # Memory: every allocation of one step, with the boundaries as markers.
-        with probe(model, block_list, lambda kind, i: mark(f"{kind}{i}"), track=True) as tracked:
-            trace = record_memory(step, dev)
+        # Memory: every allocation of one iteration, with the boundaries as markers, and when each
+        # parameter gradient is first allocated (NOTE [ Gradients in the backward ]).
+        with probe(model, block_list, lambda kind, i: mark(f"{kind}{i}"), track=True) as tracked, _grad_marks(model) as fresh:
+            trace = record_memory(it.step, dev)
+        grad_events = _grad_events(trace, fresh)
         _check_order(tracked.calls, tracked.order, block_list)
         pinned = _pinned(model, inputs, loss_fn, block_list, dev)
         gaps = _gaps(trace, n)
@@ -380,7 +386,7 @@ def profile(
         step_ms: list[float] = []
         for r in range(repeats + 1):  # round 0 warms every configuration up
             for name, ops in configs.items():
-                events = _timed_step(model, inputs, loss_fn, block_list, members, ops, dev)
+                events = _timed_step(it, block_list, members, ops, dev)
                 if r:
                     runs[name].append(events)
                     if name == "plain":
@@ -390,12 +396,13 @@ def profile(
         flop_events: list[tuple[str, int, int]] = []
         counter = FlopCounterMode(display=False)
         with probe(model, block_list, lambda kind, i: flop_events.append((kind, i, counter.get_total_flops()))):
-            zero_grads(model)
+            it.reset()
             with counter:
                 train_step(model, inputs, loss_fn)
             flop_events.append(("end", 0, counter.get_total_flops()))
 
-    prof = _assemble(model, block_list, tracked, trace, runs, step_ms, _times(flop_events), held, dev, n)
+    prof = _assemble(model, block_list, tracked, trace, runs, step_ms, _times(flop_events), held, dev, n, grad_events)
+    prof = replace(prof, loop=it.loop)
     bps = tuple(
         replace(bp, gap_bytes=gaps[i], pinned_bytes=pinned[i][0], pinned_out_bytes=pinned[i][1], reused_bytes=reused[i], unlinked_bytes=tracked.unlinked[i])
         for i, bp in enumerate(prof.block_profiles)
@@ -478,6 +485,67 @@ def _drop(_t: Any) -> Any:
     return None
 
 
+# NOTE [ Gradients in the backward ]
+# With grads="none" every parameter gradient is allocated during the iteration's backward and stays to
+# its end (NOTE [ What a step's peak means ]). The profile hooks each parameter that has no gradient
+# when the profiled iteration starts (``register_post_accumulate_grad_hook``) and marks when its
+# gradient is first accumulated; the gradient's bytes (its storage, once) then belong to the window
+# the mark falls in: the head's backward (before the last block's backward starts), block k's (from
+# the start of its backward to the start of block k-1's: code between two blocks counts with the
+# block after it, whose backward has ended by then), or the tail (after block 0's backward:
+# embeddings). The chain model adds them to the level where they appear (``BlockProfile.grad_bytes``,
+# ``Profile.head_grad_bytes``; the tail's are inside ``tail_peak_bytes``), and each block's backward
+# peak is measured above the gradients allocated before it started. A gradient accumulated into again
+# (tied weights) counts once, where it first appeared. With grads="held" no gradient is allocated.
+
+
+@contextlib.contextmanager
+def _grad_marks(model: nn.Module) -> Iterator[list[nn.Parameter]]:
+    """Mark ``g<j>`` each time the ``j``-th parameter without a gradient gets one accumulated."""
+    fresh = [p for p in model.parameters() if p.requires_grad and p.grad is None]
+    handles = [p.register_post_accumulate_grad_hook(lambda _p, j=j: mark(f"g{j}")) for j, p in enumerate(fresh)]
+    try:
+        yield fresh
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _grad_events(trace: MemoryTrace, fresh: list[nn.Parameter]) -> list[tuple[int, int]]:
+    """``(time first accumulated, bytes)`` of every gradient the traced iteration allocated, one per storage."""
+    times = trace.mark_times()
+    seen: set[int] = set()
+    out = []
+    for j, p in enumerate(fresh):
+        if f"g{j}" not in times or p.grad is None:
+            continue
+        try:
+            st = p.grad.untyped_storage()
+            ptr = st.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if ptr not in seen:
+            seen.add(ptr)
+            out.append((times[f"g{j}"][0], st.nbytes()))
+    return sorted(out)
+
+
+def _grad_owners(grad_events: list[tuple[int, int]], bwd_start: list[int], tail_start: int) -> tuple[list[int], int, int]:
+    """Gradient bytes first allocated in each block's backward, the head's and the tail's
+    (NOTE [ Gradients in the backward ])."""
+    n = len(bwd_start)
+    per_block, head, tail = [0] * n, 0, 0
+    for t, size in grad_events:
+        owner = min((k for k in range(n) if bwd_start[k] <= t), default=None)
+        if owner is None:
+            head += size
+        elif owner == 0 and t > tail_start:
+            tail += size
+        else:
+            per_block[owner] += size
+    return per_block, head, tail
+
+
 def _gaps(trace: MemoryTrace, n: int) -> list[int]:
     """Level change from the end of each block's forward to the start of the next (0 for the last)."""
     marks = {name: ts[0] for name, ts in trace.mark_times().items()}
@@ -516,9 +584,11 @@ def _assemble(
     held: int,
     dev: torch.device,
     n: int,
+    grad_events: list[tuple[int, int]],
 ) -> Profile:
     marks = {name: ts[0] for name, ts in trace.mark_times().items()}
-    end = trace.duration_ns
+    # The backward ends where the optimizer's step starts (or the iteration ends).
+    end = marks.get("optimizer_start", trace.duration_ns)
 
     def mt(kind: str, i: int, default: int | None = None) -> int:
         key = f"{kind}{i}"
@@ -531,7 +601,7 @@ def _assemble(
     timings = {name: [_times(events) for events in config_runs] for name, config_runs in runs.items()}
 
     def ms(a: tuple[str, int], b: tuple[str, int], config: str = "plain") -> float:
-        vals = [(t.get(b, t[("end", 0)]) - t[a]) / 1e6 for t in timings.get(config, []) if a in t]
+        vals = [(t.get(b, t[("backward_end", 0)]) - t[a]) / 1e6 for t in timings.get(config, []) if a in t]
         return max(0.0, median(vals))
 
     def block_ms(i: int, config: str) -> float:
@@ -546,15 +616,21 @@ def _assemble(
     if "segment" in step_of and n >= 2:
         call_ms = max(0.0, (step_of["full"] - step_of["segment"]) / (n - 1))
 
+    # A block whose output needs no gradient (frozen, LoRA-style) has no backward: a zero-length
+    # one where the next block's backward ends (or the backward ends).
+    bwd_start = [
+        mt("B", i, next((marks[k] for k in (f"b{j}" for j in range(i + 1, n)) if k in marks), end)) for i in range(n)
+    ]
+    tail_start = mt("b", 0, end)
+    grads, head_grads, tail_grads = _grad_owners(grad_events, bwd_start, tail_start)
     sub_index = 0
     profiles = []
     for i, b in enumerate(block_list):
         f0, f1 = mt("F", i), mt("f", i)
-        # A block whose output needs no gradient (frozen, LoRA-style) has no backward: a zero-length
-        # one where the next block's backward ends (or the step ends).
-        no_bwd = next((marks[k] for k in (f"b{j}" for j in range(i + 1, n)) if k in marks), end)
-        b0 = mt("B", i, no_bwd)
+        b0 = bwd_start[i]
         b1 = mt("b", i, b0 if f"B{i}" not in marks else end)
+        # NOTE [ Gradients in the backward ]: the gradients allocated before this backward started.
+        grads_before = sum(size for t, size in grad_events if t < b0)
         l_f0 = trace.level_at(f0)
         plain_ms = block_ms(i, "plain")
         subs = []
@@ -582,10 +658,11 @@ def _assemble(
                 saved_bytes=sum(tracked.saved[i].values()),
                 keep_bytes=trace.level_at(f1) - l_f0,
                 fwd_peak_bytes=trace.peak_between(f0, f1) - l_f0,
-                # Against the level after this block's forward: what NOTE [ Chain cost model ] assumes at the
-                # start of its backward; the difference (e.g. the head's gradients, held through the whole
-                # backward) is then charged to every block's backward, where it is really held.
-                bwd_peak_bytes=trace.peak_between(b0, b1) - trace.level_at(f1),
+                # Against the level after this block's forward and the parameter gradients allocated before
+                # its backward: what NOTE [ Chain cost model ] assumes at the start of its backward; the
+                # rest of the difference (the gradient of its output) is then charged to every block's
+                # backward, where it is really held.
+                bwd_peak_bytes=trace.peak_between(b0, b1) - trace.level_at(f1) - grads_before,
                 fwd_ms=ms(("F", i), ("f", i)),
                 bwd_ms=ms(("B", i), ("b", i)),
                 # NOTE [ Measured checkpoint costs ]: what checkpointing the block adds beyond its plain
@@ -598,12 +675,13 @@ def _assemble(
                 own_output_bytes=sum(v for k, v in tracked.outputs[i].items() if k not in tracked.inputs[i]),
                 linked=tracked.linked[i],
                 stateful=tracked.stateful[i],
+                grad_bytes=grads[i],
             )
         )
     start0, last_end = mt("F", 0), mt("f", n - 1)
     last_bwd = mt("B", n - 1, mt("b", n - 1, end))
     base = trace.level_at(start0)
-    tail_start = mt("b", 0, end)
+    optimizer_ms = median([(t[("end", 0)] - t[("backward_end", 0)]) / 1e6 for t in timings.get("plain", [])])
     return Profile(
         model=type(model).__name__,
         device=dev.type,
@@ -620,6 +698,10 @@ def _assemble(
         head_peak_bytes=trace.peak_between(last_end, last_bwd) - trace.level_at(last_end),
         head_ms=ms(("f", n - 1), ("B", n - 1)),
         tail_peak_bytes=max(0, trace.peak_between(tail_start, end) - base),
+        head_grad_bytes=head_grads,
+        tail_grad_bytes=tail_grads,
+        optimizer_peak_bytes=trace.peak_between(end, trace.duration_ns) if "optimizer_start" in marks else 0,
+        optimizer_ms=optimizer_ms if "optimizer_start" in marks else 0.0,
         ckpt_call_ms=call_ms,
         # preserve_rng_state=True keeps torch.get_rng_state() per checkpoint (host memory).
         ckpt_state_bytes=int(torch.get_rng_state().nbytes) if dev.type == "cpu" else 0,

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from remat._json import Reader, load
 from remat.blocks import Block
+from remat.measure.trace import Grads, Loop
 from remat.plan.chain import Chain
 from remat.plan.types import block_to_json
 
@@ -72,6 +73,9 @@ class BlockProfile:
             more; always ``True`` for block 0).
         stateful: Buffers its forward updates in place, other than BatchNorm's running statistics
             (a stateful forward: the planner keeps such a block; NOTE [ State under recomputation ]).
+        grad_bytes: Bytes of parameter gradients first allocated in its backward (its own parameters,
+            and those of code between it and the previous block), held to the end of the iteration;
+            0 with gradients held (NOTE [ Gradients in the backward ] in ``remat.profile.profiler``).
     """
 
     input_bytes: int
@@ -95,6 +99,7 @@ class BlockProfile:
     unlinked_bytes: int = 0
     linked: bool = True
     stateful: tuple[str, ...] = ()
+    grad_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.own_output_bytes < 0:  # profiles written before the field existed
@@ -127,18 +132,27 @@ class Profile:
             added or kept alive between blocks (``BlockProfile.chainable``). Segments run correctly on
             any model (NOTE [ Spans ]); this only tells the solvers where they cost what the chain model
             says, so they plan multi-block segments only then.
-        held_bytes: Memory held before the step (parameters, gradients, buffers, inputs), bytes.
-        peak_bytes: Peak of the plain step above the held memory, bytes (the unplanned peak).
-        step_ms: Median time of a plain step, milliseconds.
+        held_bytes: Memory held before the iteration (parameters, buffers, inputs, optimizer state, and
+            gradients when held), bytes.
+        peak_bytes: Peak of the plain iteration above the held memory, bytes (the unplanned peak;
+            ``loop.describe()`` says which iteration, in words).
+        step_ms: Median time of a plain iteration (the optimizer's step included), milliseconds.
         base_bytes: Level when block 0 starts, bytes above the held memory.
         pre_peak_bytes: Peak before block 0 starts, bytes above the held memory.
         head_input_bytes: Bytes of the last block's output (the head's input).
         head_peak_bytes: Peak rise from the end of the last block's forward to the start of its backward, bytes.
         head_ms: Time from the end of the last block's forward to the start of its backward, milliseconds.
-        tail_peak_bytes: Peak after block 0's backward, above ``base_bytes``.
+        tail_peak_bytes: Peak after block 0's backward to the end of the backward, above ``base_bytes``.
         ckpt_call_ms: Measured fixed cost of one checkpoint call, milliseconds.
         ckpt_state_bytes: Memory each checkpoint holds on the profiled device besides its output: the
             CPU RNG state it preserves (on CUDA that state lives in host memory: 0), bytes.
+        loop: The iteration measured: how gradients start, which optimizer steps (NOTE [ What a step's
+            peak means ]; profiles written before loops existed measured ``grads="held"``).
+        head_grad_bytes: Bytes of parameter gradients first allocated in the head's backward, bytes.
+        tail_grad_bytes: Bytes of parameter gradients first allocated after block 0's backward
+            (embeddings; inside ``tail_peak_bytes``), bytes.
+        optimizer_peak_bytes: Peak during the optimizer's step above the held memory, bytes (0 without one).
+        optimizer_ms: Median time of the optimizer's step, milliseconds.
     """
 
     schema_version: ClassVar[int] = 1
@@ -160,6 +174,11 @@ class Profile:
     tail_peak_bytes: int
     ckpt_call_ms: float = 0.0
     ckpt_state_bytes: int = 0
+    loop: Loop = Loop(Grads.HELD)
+    head_grad_bytes: int = 0
+    tail_grad_bytes: int = 0
+    optimizer_peak_bytes: int = 0
+    optimizer_ms: float = 0.0
 
     def chain(self) -> Chain:
         """The solver's view (see NOTE [ Chain cost model ] in ``remat.plan.chain``)."""
@@ -175,7 +194,9 @@ class Profile:
             bwd_peak_bytes=tuple(b.bwd_peak_bytes for b in bps) + (0,),
             base_bytes=self.base_bytes,
             pre_peak_bytes=self.pre_peak_bytes,
-            tail_peak_bytes=self.tail_peak_bytes,
+            # After block 0's backward nothing depends on the plan: the rest of the backward, then the
+            # optimizer's step (measured above the held memory, every gradient allocated).
+            tail_peak_bytes=max(self.tail_peak_bytes, self.optimizer_peak_bytes - self.base_bytes),
             out_free_bytes=tuple(b.output_bytes - b.output_saved_bytes for b in bps) + (0,),
             ckpt_fwd_ms=tuple(max(b.ckpt_fwd_ms, b.fwd_ms) for b in bps) + (self.head_ms,),
             ckpt_call_ms=self.ckpt_call_ms,
@@ -186,6 +207,7 @@ class Profile:
             reused_bytes=tuple(b.reused_bytes for b in bps) + (0,),
             unlinked_bytes=tuple(b.unlinked_bytes for b in bps) + (0,),
             recomputable=tuple(not b.stateful for b in bps) + (True,),
+            grad_bytes=tuple(b.grad_bytes for b in bps) + (self.head_grad_bytes,),
         )
 
     def sub_costs(self) -> dict[tuple[int, tuple[str, ...]], tuple[int, float]]:
@@ -227,3 +249,43 @@ class Profile:
             if b.index != i:
                 raise reader.error(f"blocks[{i}].index", f"is {b.index}, expected {i} (blocks are listed in forward order from 0)")
         return prof
+
+    def summary(self) -> str:
+        """A quick look at what was measured, in a few lines: the model and device, its blocks, the plain
+        step's peak and time, the blocks that save the most for backward, whether the blocks form a chain
+        (and which blocks break it), the blocks with attention / MLP sub-modules, and stateful blocks."""
+        from remat.units import format_bytes, format_ms
+
+        n = len(self.blocks)
+        span = f" ({self.blocks[0].name} to {self.blocks[-1].name})" if n else ""
+        lines = [
+            f"{self.model} on {self.device}: {n} blocks{span}",
+            f"  plain step: peak {format_bytes(self.peak_bytes)} above the {format_bytes(self.held_bytes)} held before it, "
+            f"{format_ms(self.step_ms)}",
+        ]
+        by_saved = sorted(zip(self.blocks, self.block_profiles), key=lambda b: -b[1].saved_bytes)
+        total = sum(bp.saved_bytes for bp in self.block_profiles)
+        largest = ", ".join(f"{b.name} {format_bytes(bp.saved_bytes)}" for b, bp in by_saved[:3])
+        lines.append(f"  saved for backward: {format_bytes(total)} over all blocks; the most: {largest}")
+        if self.is_chain:
+            lines.append("  the blocks form a chain: the solvers may recompute several together as one segment")
+        else:
+            breaks = []
+            for b, bp in zip(self.blocks, self.block_profiles):
+                last = b.index == n - 1
+                if not bp.linked:
+                    breaks.append(f"{b.name} takes inputs made between blocks")
+                elif bp.reused_bytes and not last:
+                    breaks.append(f"a later block reuses the output of {b.name}")
+                elif not bp.chainable and not last:
+                    breaks.append(f"memory stays allocated after {b.name}")
+            more = f" and {len(breaks) - 3} more" if len(breaks) > 3 else ""
+            why = f": {', '.join(breaks[:3])}{more}" if breaks else ""
+            lines.append(f"  the blocks do not form a chain (the solvers recompute blocks one at a time){why}")
+        with_subs = [b.name for b, bp in zip(self.blocks, self.block_profiles) if bp.subs]
+        if with_subs:
+            lines.append(f"  attention / MLP found in {len(with_subs)} of {n} blocks (they may be recomputed alone)")
+        stateful = [f"{b.name} ({', '.join(bp.stateful)})" for b, bp in zip(self.blocks, self.block_profiles) if bp.stateful]
+        if stateful:
+            lines.append(f"  stateful blocks, always kept: {', '.join(stateful)}")
+        return "\n".join(lines)
