@@ -338,15 +338,31 @@ class _Frame:
         cuda_devices = sorted({d for call in self.calls for d in call.rng.cuda})
         try:
             with torch.random.fork_rng(devices=cuda_devices, device_type="cuda" if cuda_devices else "cpu"):
+                last_use = self._last_uses()
                 for index, call in enumerate(self.calls):
                     args, kwargs = self._arguments(call, outs)
                     torch.set_rng_state(call.rng.cpu)
                     for dev, st in call.rng.cuda.items():
                         torch.cuda.set_rng_state(st, dev)
                     out = _replay_call(call, args, kwargs)
-                    outs[index] = tree_leaves(out)
+                    del args, kwargs
+                    # Hold a replayed output only while a later call takes it (as the forward did).
+                    for done in [i for i, last in last_use.items() if last <= index and i in outs]:
+                        del outs[done]
+                    if last_use.get(index, -1) > index:
+                        outs[index] = tree_leaves(out)
+                    del out
         finally:
             _LOCAL.scope = previous_scope
+
+    def _last_uses(self) -> dict[int, int]:
+        """For each call whose output a later call takes, the last call that takes it."""
+        last: dict[int, int] = {}
+        for index, call in enumerate(self.calls):
+            for slot in call.slots:
+                if slot[0] == _LINK:
+                    last[slot[1]] = index
+        return last
 
     def _arguments(self, call: _Call, outs: dict[int, list[Any]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         node: Any = call.saver.grad_fn if call.saver is not None else None
