@@ -16,6 +16,7 @@ from remat.cli.common import (
     check_strategies_fit,
     console,
     load_workload,
+    loop_options,
     note_high_budgets,
     parse_strategies,
     strategies_help,
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     w = load_workload(args.model, args.sizes)
     check_strategies_fit(strategies, w.model)  # blocks a strategy names, before the profile
     with console.status(f"profiling {w.description}"):
-        prof = run_profile(w.model, w.inputs, w.loss_fn)
+        prof = run_profile(w.model, w.inputs, w.loss_fn, **loop_options(args))
     note_high_budgets(args.budget, prof)
     plans = _plans(prof, strategies, args.budget)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -105,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
             rounds=args.rounds,
             description=w.description,
             progress=lambda label: bar.update(task, advance=1, description=label),
+            **loop_options(args),
         )
     console.print(bench_table(result))
     for line in budget_verdicts(result):

@@ -18,11 +18,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import torch
 from rich.console import Console
 
 from remat._json import write_atomic
 from remat.blocks import blocks as find_blocks
 from remat.errors import RematError
+from remat.measure.trace import Grads
 from remat.models import WORKLOADS, Workload, workload
 from remat.plan.strategies import STRATEGIES, Strategy, parse_strategy
 from remat.plan.types import Plan
@@ -103,6 +105,28 @@ def add_model_args(parser: ArgumentParser, *, default: str | None = DEFAULT_MODE
         metavar="KEY=VALUE",
         help="override a size of a built-in model, e.g. --set n_layers=12 (repeatable)",
     )
+    parser.add_argument(
+        "--grads",
+        choices=[g.value for g in Grads],
+        default=Grads.NONE.value,
+        help="your loop's gradients: 'none' (zero_grad() sets them to None, PyTorch's default: they are "
+        "allocated in the backward) or 'held' (zeroed in place); default none",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=list(OPTIMIZERS),
+        default="none",
+        help="the optimizer whose step ends your loop's iteration (its peak and state count); default none",
+    )
+
+
+# The optimizers --optimizer names, built on the model's parameters by the measuring functions.
+OPTIMIZERS: dict[str, Any] = {"none": None, "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+def loop_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``grads=`` and ``optimizer=`` keywords of profile / measure / timeline / bench for ``args``."""
+    return {"grads": getattr(args, "grads", Grads.NONE.value), "optimizer": OPTIMIZERS[getattr(args, "optimizer", "none")]}
 
 
 def _parse_sizes(items: list[str]) -> dict[str, Any]:

@@ -6,7 +6,16 @@ import argparse
 from pathlib import Path
 
 from remat.apply import apply, remove
-from remat.cli.common import add_model_args, check_model, check_positive, console, load_workload, read_plan, write_file
+from remat.cli.common import (
+    add_model_args,
+    check_model,
+    check_positive,
+    console,
+    load_workload,
+    loop_options,
+    read_plan,
+    write_file,
+)
 from remat.measure import check_gradients
 from remat.measure import measure as run_measure
 from remat.units import format_bytes, format_ms
@@ -38,13 +47,13 @@ def run(args: argparse.Namespace) -> int:
     if plan is not None:
         apply(w.model, plan)
         remove(w.model)
-    plain = run_measure(w.model, w.inputs, w.loss_fn, steps=args.steps)
+    plain = run_measure(w.model, w.inputs, w.loss_fn, steps=args.steps, **loop_options(args))
     if plan is None:
         result = plain
     else:
         apply(w.model, plan)
         try:
-            result = run_measure(w.model, w.inputs, w.loss_fn, steps=args.steps)
+            result = run_measure(w.model, w.inputs, w.loss_fn, steps=args.steps, **loop_options(args))
         finally:
             remove(w.model)
         check = check_gradients(w.model, plan, w.inputs, w.loss_fn)

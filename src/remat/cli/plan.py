@@ -12,6 +12,7 @@ from remat.cli.common import (
     check_model,
     console,
     load_workload,
+    loop_options,
     note_high_budgets,
     read_profile,
     write_file,
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         w = load_workload(args.model, args.sizes)
         with console.status(f"profiling {w.description}"):
-            prof = run_profile(w.model, w.inputs, w.loss_fn)
+            prof = run_profile(w.model, w.inputs, w.loss_fn, **loop_options(args))
     note_high_budgets([args.budget], prof)
     chosen = make_plan(prof, args.budget, solver=args.solver)
     console.print(plan_tree(chosen))

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from remat.cli.common import add_model_args, check_model, check_positive, console, load_workload, write_file
+from remat.cli.common import (
+    add_model_args,
+    check_model,
+    check_positive,
+    console,
+    load_workload,
+    loop_options,
+    write_file,
+)
 from remat.profile import profile as run_profile
 from remat.report.tables import profile_table
 
@@ -29,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     """Profile the model, print the table, write the JSON."""
     w = load_workload(args.model, args.sizes)
     with console.status(f"profiling {w.description}"):
-        prof = run_profile(w.model, w.inputs, w.loss_fn, repeats=args.repeats)
+        prof = run_profile(w.model, w.inputs, w.loss_fn, repeats=args.repeats, **loop_options(args))
     console.print(profile_table(prof))
     write_file(args.out, prof.to_json())
     console.print(f"wrote {args.out}")

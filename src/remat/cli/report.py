@@ -17,6 +17,7 @@ from remat.cli.common import (
     check_positive,
     console,
     load_workload,
+    loop_options,
     note_high_budgets,
 )
 from remat.measure.compare import compare
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     w = load_workload(args.model, args.sizes)
     with console.status(f"profiling {w.description}"):
-        prof = run_profile(w.model, w.inputs, w.loss_fn)
+        prof = run_profile(w.model, w.inputs, w.loss_fn, **loop_options(args))
     note_high_budgets([args.budget], prof)
     make_plan(prof, args.budget)  # an infeasible budget stops here, with the smallest feasible peak
     plans = _plans(prof, [], [args.budget])
@@ -79,12 +80,14 @@ def run(args: argparse.Namespace) -> int:
         def tick(label: str) -> None:
             bar.update(task, advance=1, description=label)
 
-        result = compare(w.model, w.inputs, w.loss_fn, plans, rounds=args.rounds, description=w.description, progress=tick)
+        result = compare(
+            w.model, w.inputs, w.loss_fn, plans, rounds=args.rounds, description=w.description, progress=tick, **loop_options(args)
+        )
         timelines: list[Timeline] = []
         for p in recorded:
             apply(w.model, p)
             try:
-                timelines.append(timeline(w.model, w.inputs, w.loss_fn))
+                timelines.append(timeline(w.model, w.inputs, w.loss_fn, **loop_options(args)))
             finally:
                 remove(w.model)
             tick(f"{p.strategy}: timeline")

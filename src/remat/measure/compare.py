@@ -17,6 +17,7 @@ ranking is noise; on an idle one it is a few percent.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 from collections.abc import Callable, Sequence
@@ -32,14 +33,17 @@ from remat.blocks import resolve
 from remat.errors import RematError
 from remat.measure import _compare_grads, _grads
 from remat.measure.trace import (
+    Grads,
+    Loop,
+    OptimizerLike,
+    _optimizer_kept,
+    _parameters_kept,
     device_of,
-    held_bytes,
+    iteration,
     median,
     preserved,
     record_memory,
     timed_steps,
-    train_step,
-    zero_grads,
 )
 from remat.plan.types import Plan
 
@@ -118,6 +122,7 @@ class BenchResult:
         held_bytes: Memory held before a step, bytes.
         rounds: Interleaved timing rounds.
         rows: One per plan; ``rows[0]`` is the baseline.
+        loop: The training iteration measured (``Loop.describe()`` says what a peak means).
     """
 
     schema_version: ClassVar[int] = 1
@@ -127,6 +132,7 @@ class BenchResult:
     held_bytes: int
     rounds: int
     rows: tuple[BenchRow, ...]
+    loop: Loop = Loop(Grads.HELD)
 
     @property
     def noise_pct(self) -> float | None:
@@ -150,7 +156,9 @@ class BenchResult:
     def to_json(self) -> str:
         """Serialise to a JSON string (with ``schema_version``, and the noise figures of NOTE [ Timing noise ])."""
         noise = {"noise_pct": self.noise_pct, "difference_pct": self.difference_pct, "rankable": self.rankable}
-        return json.dumps({"schema_version": self.schema_version, **asdict(self), **noise}, indent=2)
+        data = {"schema_version": self.schema_version, **asdict(self), **noise}
+        data["loop"] = {"grads": self.loop.grads.value, "optimizer": self.loop.optimizer}
+        return json.dumps(data, indent=2)
 
 
 def compare(
@@ -162,6 +170,8 @@ def compare(
     rounds: int = 5,
     description: str = "",
     progress: Progress | None = None,
+    grads: Grads | str = Grads.NONE,
+    optimizer: OptimizerLike | None = None,
 ) -> BenchResult:
     """Measure every plan on the same model and batch in one run.
 
@@ -173,6 +183,9 @@ def compare(
         rounds: Interleaved timing rounds (each plan runs once per round), >= 1.
         description: Free text naming the workload.
         progress: Called with a short label after each unit of work.
+        grads: The user's loop: gradients set to ``None`` before each iteration (``"none"``, PyTorch's
+            default) or zeroed in place (``"held"``); see ``remat.measure.Loop``.
+        optimizer: An optimizer (or a factory of one) whose step ends each iteration, or ``None``.
 
     Returns:
         The :class:`BenchResult`.
@@ -183,32 +196,29 @@ def compare(
         raise RematError("bench: no plans to compare; give at least the baseline plan")
     dev = device_of(model, inputs)
     tick = progress or (lambda _label: None)
-    def step() -> None:
-        zero_grads(model)
-        train_step(model, inputs, loss_fn)
-
     before = remove(model)
     peaks: list[int] = []
     counts: list[dict[str, int]] = []
     equal: list[bool] = []
     times: list[list[float]] = [[] for _ in plans]
     try:
-        with preserved(model, inputs):
+        with iteration(model, inputs, loss_fn, grads=grads, optimizer=optimizer, where="bench") as it:
+            loop = it.loop
             plain = _grads(model, inputs, loss_fn)
             held = 0
+            params = list(model.parameters())
             for plan in plans:
                 apply(model, plan)
                 try:
-                    # preserved(): every plan starts from the plain run's RNG state (same dropout masks).
-                    with preserved(model, inputs):
+                    # preserved(): every plan starts from the plain run's RNG state (same dropout masks),
+                    # and from the same parameters and optimizer state.
+                    with preserved(model, inputs), _parameters_kept(params), _kept(it.optimizer):
                         ckpt = _grads(model, inputs, loss_fn)
                         equal.append(_compare_grads(plain, ckpt, exact=dev.type == "cpu", atol=1e-6).equal)
-                        zero_grads(model)
-                        train_step(model, inputs, loss_fn)  # warm-up; leaves gradients allocated
-                        held = held_bytes(model, inputs)
+                        held = it.warm_up(1)
                         firsts = [mods[0] for mods in resolve(model, plan.blocks)]
                         with count_forwards(firsts) as c:
-                            trace = record_memory(step, dev)
+                            trace = record_memory(it.step, dev)
                     peaks.append(trace.peak_bytes)
                     counts.append({b.name: c[id(m)] for b, m in zip(plan.blocks, firsts)})
                 finally:
@@ -218,8 +228,8 @@ def compare(
                 for i, plan in enumerate(plans):
                     apply(model, plan)
                     try:
-                        zero_grads(model)
-                        times[i] += timed_steps(lambda: train_step(model, inputs, loss_fn), dev, 1)
+                        it.reset()  # outside the timed region, as remat.measure does
+                        times[i] += timed_steps(it.step, dev, 1)
                     finally:
                         remove(model)
                 tick(f"timing round {r + 1}/{rounds}")
@@ -250,4 +260,8 @@ def compare(
                 spread_pct=spread_pct(times[i]),
             )
         )
-    return BenchResult(model=description, device=dev.type, held_bytes=held, rounds=rounds, rows=tuple(rows))
+    return BenchResult(model=description, device=dev.type, held_bytes=held, rounds=rounds, rows=tuple(rows), loop=loop)
+
+
+def _kept(optimizer: torch.optim.Optimizer | None) -> contextlib.AbstractContextManager[None]:
+    return _optimizer_kept(optimizer) if optimizer is not None else contextlib.nullcontext()

@@ -351,6 +351,11 @@ def profile(
         raise RematError(f"profile: repeats={repeats} and warmup={warmup} must both be >= 1")
     from remat.apply import _suspended  # local: apply imports profile types
 
+    from remat.distributed import unwrap
+
+    if unwrap(model) is not model:  # DDP: its buckets are not activations; plans fit the module and the wrapper
+        log.info("profile: profiling the wrapper's .module")
+        model = unwrap(model)
     block_list = tuple(blocks) if blocks is not None else find_blocks(model)
     if not block_list:
         raise BlockSelectionError("profile: no blocks to profile; select at least one block")
@@ -637,10 +642,14 @@ def _assemble(
         for fqn in (*b.attention_fqns, *b.ffn_fqns):
             slot = n + sub_index
             saved = {k: v for k, v in tracked.saved[slot].items() if k not in tracked.inputs[slot]}
+            # Checkpointing the sub-module holds its inputs (and an RNG state): free where the block saves
+            # them anyway, a cost where it does not (a frozen layer with LoRA adapters saves no input).
+            held_inputs = sum(v for k, v in tracked.inputs[slot].items() if k not in tracked.saved[i])
+            rng_bytes = int(torch.get_rng_state().nbytes) if dev.type == "cpu" else 0
             subs.append(
                 SubProfile(
                     fqn=fqn,
-                    saved_bytes=sum(saved.values()),
+                    saved_bytes=sum(saved.values()) - held_inputs - rng_bytes,
                     output_bytes=sum(tracked.outputs[slot].values()),
                     fwd_ms=ms(("S", sub_index), ("s", sub_index)),
                     # NOTE [ Measured checkpoint costs ]: the block's extra time with this sub checkpointed.

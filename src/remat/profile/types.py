@@ -21,7 +21,9 @@ class SubProfile:
 
     Attributes:
         fqn: The sub-module's name.
-        saved_bytes: Bytes autograd saves inside it, its input excluded (what checkpointing it frees).
+        saved_bytes: What checkpointing it frees, bytes: what autograd saves inside it, its input excluded,
+            less the inputs and RNG state its checkpoint holds where the block does not save them anyway
+            (a frozen layer with LoRA adapters); negative when checkpointing it costs memory.
         output_bytes: Bytes of its output.
         fwd_ms: Its forward time, milliseconds.
         extra_ms: Measured extra time of its block's step when it is checkpointed (recomputation and

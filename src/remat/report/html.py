@@ -338,7 +338,7 @@ def write_report(
                 ("device", profile.device),
                 ("blocks", f"{len(profile.blocks)} ({profile.blocks[0].name} to {profile.blocks[-1].name})" if profile.blocks else "0"),
                 ("blocks form a chain", "yes" if profile.is_chain else "no"),
-                ("held before a step", format_bytes(profile.held_bytes) + " (parameters, gradients, buffers, inputs)"),
+                ("held before a step", format_bytes(profile.held_bytes) + f" ({profile.loop.describe()})"),
                 ("plain peak above that", format_bytes(profile.peak_bytes)),
                 ("plain step time", f"{format_ms(profile.step_ms)} while profiling, {format_ms(base_ms)} in the bench"),
             ]
@@ -370,7 +370,7 @@ def write_report(
     parts += [
         "<h2>Bench: every strategy measured</h2>",
         f"<p>{_e(result.model)} on {_e(result.device)}; median of {result.rounds} interleaved rounds; peaks above "
-        f"{_e(format_bytes(result.held_bytes))} held before the step; percentages against "
+        f"{_e(format_bytes(result.held_bytes))} held before the step ({_e(result.loop.describe())}); percentages against "
         f"<code>{_e(result.rows[0].label if result.rows else '-')}</code>. Predicted step time: the plain step plus "
         f"the predicted recompute time. The column “blocks recomputed” counts {_e(RECOMPUTED_NOTE)}.</p>",
         _table(BENCH_HEADERS, bench_rows(result), highlight=chosen_index),

@@ -264,7 +264,7 @@ def bench_table(result: BenchResult) -> Table:
         t.add_row(*cells)
     base = result.rows[0].label if result.rows else "-"
     caption = (
-        f"MiB, ms; peaks above {format_bytes(result.held_bytes)} held before the step; vs pred: measured peak against "
+        f"MiB, ms; {result.loop.describe()} ({format_bytes(result.held_bytes)} held); vs pred: measured peak against "
         f"predicted; spread: interquartile range / median of the rounds; saved, overhead: against '{short_label(base)}'; "
         f"predicted peaks and steps in --json\nrecomputed: {RECOMPUTED_NOTE}, of {result.rows[0].n_blocks if result.rows else 0} blocks"
     )
