@@ -134,9 +134,15 @@ HF = {fn.__name__: seeded(fn) for fn in (gpt2, llama, bert, t5, vit)}
 PLANS = ("segments(2)", "sqrt()", "optimal 30%", "optimal 50%", "optimal 70%")
 
 
+# Budgets of the loop with gradients held (zeroed in place): on configs this small the parameter
+# gradients outweigh the activations, so with gradients allocated in the backward (the default loop) no
+# plan reaches 30-70% of the plain peak. Budgets of that loop are tested in tests/measure/test_iteration.py.
+GRADS = "held"
+
+
 @pytest.fixture(scope="module")
 def hf() -> ZooRun:
-    return ZooRun(HF)
+    return ZooRun(HF, grads=GRADS)
 
 
 @pytest.mark.parametrize("name", HF)
@@ -163,5 +169,5 @@ def test_plan_is_bitwise_exact_within_budget(hf: ZooRun, name: str, label: str) 
     budget = outcome.plan.budget_bytes
     if budget is not None:
         case = outcome.case
-        peak = remat.measure(case.model, case.inputs, case.loss_fn, steps=1).peak_bytes
+        peak = remat.measure(case.model, case.inputs, case.loss_fn, steps=1, grads=GRADS).peak_bytes
         assert peak <= budget * PEAK_SLACK, f"{name} x {label}: measured peak {peak} B > budget {budget} B x {PEAK_SLACK}"

@@ -787,10 +787,13 @@ class ZooRun:
         seed: RNG seed of the judged steps.
     """
 
-    def __init__(self, builders: Mapping[str, Callable[[], Case]], *, repeats: int = 1, seed: int = 0) -> None:
+    def __init__(
+        self, builders: Mapping[str, Callable[[], Case]], *, repeats: int = 1, seed: int = 0, grads: str = "none"
+    ) -> None:
         self.builders = builders
         self.repeats = repeats
         self.seed = seed
+        self.grads = grads  # the loop the profile (and so every budget) describes
         self._profiles: dict[str, Profile | BaseException] = {}
         self._plain: dict[str, Step] = {}
 
@@ -799,7 +802,7 @@ class ZooRun:
         if name not in self._profiles:
             case = self.builders[name]()
             try:
-                self._profiles[name] = remat.profile(case.model, case.inputs, case.loss_fn, repeats=self.repeats)
+                self._profiles[name] = remat.profile(case.model, case.inputs, case.loss_fn, repeats=self.repeats, grads=self.grads)
             except Exception as e:  # recorded: a RematError refuses the cells that need a profile
                 self._profiles[name] = e
         return self._profiles[name]
