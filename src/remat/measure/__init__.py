@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from remat._json import Reader, read
+from remat._progress import progress as show_progress
 from remat.apply import applied, apply, remove
 from remat.apply.runtime import count_forwards
 from remat.blocks import Block, resolve
@@ -101,6 +102,7 @@ def measure(
     blocks: Sequence[Block] | None = None,
     grads: Grads | str = Grads.NONE,
     optimizer: OptimizerLike | None = None,
+    progress: bool | None = None,
 ) -> Measurement:
     """Run real iterations of the training loop on the model as it is (checkpointed or not) and measure them.
 
@@ -115,6 +117,7 @@ def measure(
             ``"held"`` (zeroed in place); use the loop the profile was made with.
         optimizer: The optimizer whose ``step()`` ends each iteration, or a factory of one
             (``torch.optim.AdamW``); ``None`` for forward + backward only.
+        progress: Show a progress bar (on standard error); ``None``: when it is a terminal.
 
     Returns:
         The :class:`Measurement`. The model is left as it was (parameters, gradients, buffers, RNG,
@@ -133,9 +136,11 @@ def measure(
     with iteration(model, inputs, loss_fn, grads=grads, optimizer=optimizer, where="measure") as it:
         held = it.warm_up(warmup)
         times = []
-        for _ in range(steps):
-            it.reset()  # outside the timed region, as outside the measured one
-            times += timed_steps(it.step, dev, 1)
+        with show_progress(progress, steps, "measure") as advance:
+            for k in range(steps):
+                it.reset()  # outside the timed region, as outside the measured one
+                times += timed_steps(it.step, dev, 1)
+                advance(f"step {k + 1}/{steps}")
         it.reset()
         with count_forwards(firsts) as counts:
             trace = record_memory(it.step, dev)

@@ -16,6 +16,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from remat._progress import progress as show_progress
 from remat.apply.runtime import install, uninstall
 from remat.blocks import Block, fingerprint, resolve
 from remat.blocks import blocks as find_blocks
@@ -318,6 +319,7 @@ def profile(
     warmup: int = 1,
     grads: Grads | str = Grads.NONE,
     optimizer: OptimizerLike | None = None,
+    progress: bool | None = None,
 ) -> Profile:
     """Measure a model's blocks on a real batch, in an iteration of the training loop the user runs.
 
@@ -339,6 +341,7 @@ def profile(
             default: they are allocated in the backward) or ``"held"`` (zeroed in place, held before it).
         optimizer: The optimizer whose ``step()`` ends each iteration, or a factory that builds one
             from the parameters (``torch.optim.AdamW``); ``None`` for forward + backward only.
+        progress: Show a progress bar (on standard error); ``None``: when it is a terminal.
 
     Returns:
         The :class:`Profile`.
@@ -350,7 +353,6 @@ def profile(
     if repeats < 1 or warmup < 1:
         raise RematError(f"profile: repeats={repeats} and warmup={warmup} must both be >= 1")
     from remat.apply import _suspended  # local: apply imports profile types
-
     from remat.distributed import unwrap
 
     if unwrap(model) is not model:  # DDP: its buckets are not activations; plans fit the module and the wrapper
@@ -389,13 +391,15 @@ def profile(
         members = resolve(model, block_list)
         runs: dict[str, list[list[tuple[str, int, int]]]] = {name: [] for name in configs}
         step_ms: list[float] = []
-        for r in range(repeats + 1):  # round 0 warms every configuration up
-            for name, ops in configs.items():
-                events = _timed_step(it, block_list, members, ops, dev)
-                if r:
-                    runs[name].append(events)
-                    if name == "plain":
-                        step_ms.append((events[-1][2] - events[0][2]) / 1e6)
+        with show_progress(progress, (repeats + 1) * len(configs), "profile") as advance:
+            for r in range(repeats + 1):  # round 0 warms every configuration up
+                for name, ops in configs.items():
+                    events = _timed_step(it, block_list, members, ops, dev)
+                    advance(f"timing {name}, round {r + 1}/{repeats + 1}")
+                    if r:
+                        runs[name].append(events)
+                        if name == "plain":
+                            step_ms.append((events[-1][2] - events[0][2]) / 1e6)
 
         # FLOPs.
         flop_events: list[tuple[str, int, int]] = []
