@@ -552,3 +552,41 @@ def test_program_value_with_gradients_is_the_simulated_time() -> None:
                 ops = solver._rebuild(table, 0, n, 100)
                 assert simulate(chain, ops).total_ms == pytest.approx(value, rel=1e-12)
                 assert chain_peak(chain, ops) <= headroom
+
+
+# ------------------------------------------------------------------------------------------------
+# Barriers: segments of several blocks only across joinable boundaries (Chain.joinable)
+# ------------------------------------------------------------------------------------------------
+
+
+def _crosses(ops: tuple[Op, ...], joinable: tuple[bool, ...]) -> bool:
+    for op in ops:
+        if isinstance(op, Recompute):
+            if not all(joinable[op.start : op.stop - 1]) or _crosses(op.inner, joinable):
+                return True
+    return False
+
+
+@pytest.mark.parametrize(("seed", "n"), [(300 + seed, n) for seed in range(4) for n in (3, 4, 5, 6)])
+def test_solve_and_min_peak_respect_barriers_and_match_brute_force(seed: int, n: int) -> None:
+    rng = np.random.default_rng(seed)
+    chain = random_chain(rng, n, hi=int(rng.choice([4, 20, 60])))
+    joinable = tuple(bool(v) for v in rng.integers(0, 2, n + 1))
+    chain = dataclasses.replace(chain, joinable=joinable)
+    plans = [
+        (chain_peak(chain, ops), simulate(chain, ops).total_ms)
+        for ops in all_plans(n, nested=True)
+        if not _crosses(ops, joinable)
+    ]
+    lowest = min(peak for peak, _ in plans)
+    assert chain_peak(chain, min_peak_plan(chain)) == lowest
+    assert not _crosses(min_peak_plan(chain), joinable)
+    for headroom in budgets(peak for peak, _ in plans):
+        ops = solve(chain, headroom, nested=True)
+        fitting = [ms for peak, ms in plans if peak <= headroom]
+        if headroom < lowest:
+            assert ops is None and not fitting
+            continue
+        assert ops is not None and not _crosses(ops, joinable), (joinable, ops)
+        assert chain_peak(chain, ops) <= headroom
+        assert simulate(chain, ops).total_ms == pytest.approx(min(fitting), rel=1e-12, abs=1e-12)

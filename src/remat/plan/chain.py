@@ -58,7 +58,8 @@ after block k's forward plus the gradients allocated before its backward starts 
 blocks'), so charging it from ``S'`` errs by ``g[k]`` on the safe side. Gradients accumulate: a
 block's backward, and a recomputation, run above every gradient allocated before them (a segment's
 replay runs after the blocks after it made theirs). The solvers only
-put several blocks in one segment where nothing is held between them (``Profile.is_chain``): the
+put several blocks in one segment across boundaries where nothing is held between them
+(``Chain.joinable``: the T5 encoder's blocks together, the decoder's together, not across): the
 simulation charges any other segment exactly as above.
 Time is the sum of every forward run (recomputations included) and every backward; a no-save
 forward under a checkpoint costs ``ckpt_fwd_ms`` per block plus ``ckpt_call_ms`` per checkpoint call
@@ -116,6 +117,9 @@ class Chain:
             U-Net's skip), held even when the block is inside a segment (default 0).
         unlinked_bytes: Bytes of each block's inputs that are neither the previous block's outputs nor
             older tensors (made between blocks), held by a segment that goes on through the block (default 0).
+        joinable: Whether a segment may go on from each block into the next one holding nothing that
+            the chain model leaves out (``BlockProfile.chainable`` and the next block linked); the
+            solvers put several blocks in one segment only across joinable boundaries (default all ``True``).
         recomputable: Whether each block may be recomputed (``False`` for a stateful forward, see
             NOTE [ State under recomputation ] in ``remat.apply.runtime``; default all ``True``).
         grad_bytes: Bytes of parameter gradients each block's backward allocates (entry ``n``: the
@@ -142,8 +146,11 @@ class Chain:
     unlinked_bytes: tuple[int, ...] = ()
     recomputable: tuple[bool, ...] = ()
     grad_bytes: tuple[int, ...] = ()
+    joinable: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
+        if not self.joinable:
+            object.__setattr__(self, "joinable", (True,) * len(self.fwd_ms))
         for name in ("gap_bytes", "pinned_bytes", "pinned_out_bytes", "reused_bytes", "unlinked_bytes", "grad_bytes"):
             if not getattr(self, name):
                 object.__setattr__(self, name, (0,) * len(self.fwd_ms))

@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 
 
 def _nested(profile: Profile) -> bool:
-    # Segments of several blocks need the blocks to form a chain (NOTE [ Spans ] in remat.apply.runtime).
-    return profile.is_chain
+    # Segments of several blocks only across boundaries where the chain model holds (Chain.joinable):
+    # the DP respects them, so nested plans are always allowed.
+    return True
 
 
 def _solve_optimal(profile: Profile, chain: Chain, headroom: int) -> tuple[Op, ...] | None:

@@ -433,9 +433,9 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
             # s..t fits, used by (s, t') with t' > t as "checkpoint s..t, recompute it under plan(s, t)".
             fsum = 0.0
             later = -_INF  # max of fp[q] + x[q] over q in s+1..t: blocks that hold their input
-            blocked = False  # a block in s..t may not be recomputed (stateful)
+            blocked = False  # a block in s..t may not be recomputed (stateful), or s..t crosses a barrier
             for s in range(t, -1, -1):
-                blocked = blocked or not chain.recomputable[s]
+                blocked = blocked or not chain.recomputable[s] or (s < t and not chain.joinable[s])
                 if blocked:
                     shifted[s, t + 1] = _INF
                     continue
@@ -576,7 +576,7 @@ def _peak_table(
     for s in range(n):
         running = int(chain.fwd_peak_bytes[s])
         for k in range(s + 1, n + 1):
-            blocked = not all(chain.recomputable[s:k])
+            blocked = not all(chain.recomputable[s:k]) or not all(chain.joinable[s : k - 1])
             nosave[s, k] = _BIG if blocked else running + int(chain.ckpt_state_bytes)
             if k < n:
                 running = max(running, int(chain.fwd_peak_bytes[k]) + int(chain.x_bytes[k]))

@@ -209,6 +209,10 @@ class Profile:
             reused_bytes=tuple(b.reused_bytes for b in bps) + (0,),
             unlinked_bytes=tuple(b.unlinked_bytes for b in bps) + (0,),
             recomputable=tuple(not b.stateful for b in bps) + (True,),
+            joinable=tuple(
+                i + 1 >= len(bps) or (b.chainable and b.reused_bytes == 0 and bps[i + 1].linked) for i, b in enumerate(bps)
+            )
+            + (True,),
             grad_bytes=tuple(b.grad_bytes for b in bps) + (self.head_grad_bytes,),
         )
 
