@@ -125,4 +125,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # os._exit: torch's process-group threads can abort interpreter shutdown ("terminate called without
+    # an active exception") after the work is done and its result written.
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
