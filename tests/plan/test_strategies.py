@@ -170,3 +170,12 @@ def test_parse_strategy() -> None:
         parse_strategy("every_nth(1, 2)")
     with pytest.raises(RematError, match="n=0 is invalid"):
         parse_strategy("every_nth(0)")
+
+
+def test_attention_or_ffn_strategy_that_finds_nothing_says_so() -> None:
+    from torch import nn
+
+    model = nn.Sequential(*[nn.Sequential(nn.Conv2d(4, 4, 3), nn.ReLU()) for _ in range(3)])
+    blocks = remat.blocks(model)
+    with pytest.raises(RematError, match=r"strategy attention_only: found no attention block or sub-module in the 3 blocks"):
+        remat.apply(model, remat.attention_only(), blocks=blocks)

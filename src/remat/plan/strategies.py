@@ -278,6 +278,15 @@ def _by_type(strategy: Strategy, kind: LayerType, min_interval: int, blocks: Seq
             ops.append(RecomputeSub(i, subs))
         else:
             ops.append(Keep(i))
+    if all(isinstance(op, Keep) for op in ops) and not any(
+        b.type_hint is kind or (b.attention_fqns if kind is LayerType.ATTENTION else b.ffn_fqns) for b in blocks
+    ):
+        what = "attention" if kind is LayerType.ATTENTION else "feed-forward (MLP)"
+        raise RematError(
+            f"strategy {strategy.name}: found no {what} block or sub-module in the {len(blocks)} blocks "
+            f"({blocks[0].name if blocks else '-'}..{blocks[-1].name if blocks else '-'}), so it would checkpoint "
+            "nothing; use another strategy (full(), remat.plan(profile, budget)) or choose the blocks yourself"
+        )
     return tuple(ops)
 
 
