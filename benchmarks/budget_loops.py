@@ -14,46 +14,20 @@ Run with the environment the Makefile's bench target sets, e.g.::
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 
 import remat
-from remat.measure.trace import mark, record_memory
 from remat.models import Workload, workload
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The user's own loop and the conv net are the ones the tests pin (tests/measure/test_iteration.py).
+from tests.measure.test_iteration import ConvBN, user_loop_peak  # noqa: E402
+
 MIB = 2**20
-
-
-def user_loop_peak(w: Workload, opt: torch.optim.Optimizer, grads: str) -> int:
-    """Peak of the user's second iteration (the first creates AdamW's state), bytes."""
-
-    def iteration() -> None:
-        opt.zero_grad(set_to_none=grads == "none")
-        mark("ready")
-        out = w.model(w.inputs)
-        loss = w.loss_fn(out)
-        loss.backward()
-        opt.step()
-
-    iteration()
-    trace = record_memory(iteration, torch.device("cpu"))
-    ready = trace.mark_times()["ready"][0]
-    return trace.peak_between(ready, trace.duration_ns) - trace.level_at(ready)
-
-
-class ConvBN(nn.Module):
-    """Three conv - BatchNorm - ReLU layers at constant resolution."""
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        layers: list[nn.Module] = []
-        for _ in range(3):
-            layers += [nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU()]
-        self.body = nn.Sequential(*layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
 
 
 def bn_conv(n: int = 8, channels: int = 16, size: int = 32, batch: int = 32) -> Workload:
