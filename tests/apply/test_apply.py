@@ -45,10 +45,14 @@ def test_every_strategy_gives_bitwise_equal_gradients(name: str, request: pytest
     strategies = bench_strategies(prof.blocks, prof)
     assert {s.name for s in strategies} >= {"none", "full", "every_nth", "selective", "dynamic", "ratio", "largest", "budget", "segments", "sqrt"}
     # Every registered strategy, also those the bench leaves out here: named blocks (two consecutive
-    # layers as one block) and attention_only (a no-op on the MLP chain, which has no attention).
+    # layers as one block) and attention_only, which says so on the MLP chain (it has no attention).
     first, second = (b.fqns[0] for b in prof.blocks[:2])
     strategies += [remat.named([[first, second]]), remat.attention_only(min_interval=2), remat.ffn_only()]
     assert {s.name for s in strategies} == set(STRATEGIES)
+    if name == "small_mlp":
+        with pytest.raises(RematError, match="found no attention block or sub-module"):
+            remat.apply(w.model, remat.attention_only(min_interval=2), profile=prof)
+        strategies = [s for s in strategies if s.name != "attention_only"]
     plain = grads_after_step(w)
     for s in strategies:
         remat.apply(w.model, s, profile=None if s.name == "named" else prof)
