@@ -53,7 +53,7 @@ def test_every_rank_trains_with_one_plan_and_plain_gradients(kind: str, tmp_path
         for rank in range(2)
     ]
     try:
-        logs = [p.communicate(timeout=150)[0] for p in procs]
+        logs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
