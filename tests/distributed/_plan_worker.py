@@ -70,7 +70,7 @@ def main() -> int:
     kind, rank, world, port, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     # A rank that fails makes the other's next collective time out instead of waiting for 30 minutes.
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=180))
     try:
         torch.manual_seed(0)
         raw = Net(d=32, n=6)
