@@ -33,10 +33,20 @@ MIB = 2**20
 def bn_conv(n: int = 8, channels: int = 16, size: int = 32, batch: int = 32) -> Workload:
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(3, channels, 3, padding=1), *(ConvBN(channels) for _ in range(n)), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10)
+        nn.Conv2d(3, channels, 3, padding=1),
+        *(ConvBN(channels) for _ in range(n)),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(channels, 10),
     )
     x, y = torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
-    return Workload("bnconv", model, x, lambda out: nn.functional.cross_entropy(out, y), f"conv-BN chain {n}x3 layers, {channels}ch {size}px, batch {batch}")
+    return Workload(
+        "bnconv",
+        model,
+        x,
+        lambda out: nn.functional.cross_entropy(out, y),
+        f"conv-BN chain {n}x3 layers, {channels}ch {size}px, batch {batch}",
+    )
 
 
 MODELS = {
@@ -54,7 +64,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--shares", nargs="+", type=float, default=[0.3, 0.5, 0.7])
     args = parser.parse_args()
-    print(f"{'model':>7} {'grads':>5} {'budget':>6} {'MiB':>8} {'measured':>9} {'predicted':>9} {'meas/budget':>11} {'meas/pred':>9}  plan")
+    print(
+        f"{'model':>7} {'grads':>5} {'budget':>6} {'MiB':>8} {'measured':>9} {'predicted':>9} {'meas/budget':>11} {'meas/pred':>9}  plan"
+    )
     for name in args.models:
         for grads in ("none", "held"):
             w = MODELS[name]()
@@ -62,13 +74,17 @@ def main() -> None:
             blocks = remat.blocks(w.model, **BLOCKS[name]) if name in BLOCKS else None
             prof = remat.profile(w.model, w.inputs, w.loss_fn, blocks=blocks, grads=grads, optimizer=opt)
             plain = user_loop_peak(w, opt, grads)
-            print(f"{name:>7} {grads:>5} {'plain':>6} {prof.peak_bytes / MIB:>8.1f} {plain / MIB:>9.1f}  ({prof.loop.describe()})")
+            print(
+                f"{name:>7} {grads:>5} {'plain':>6} {prof.peak_bytes / MIB:>8.1f} {plain / MIB:>9.1f}  ({prof.loop.describe()})"
+            )
             for share in args.shares:
                 budget = int(share * prof.peak_bytes)
                 try:
                     plan = remat.plan(prof, budget)
                 except remat.BudgetInfeasibleError as err:
-                    print(f"{name:>7} {grads:>5} {share:>6.0%} {budget / MIB:>8.1f}  infeasible: smallest peak {err.min_peak_bytes / MIB:.1f} MiB")
+                    print(
+                        f"{name:>7} {grads:>5} {share:>6.0%} {budget / MIB:>8.1f}  infeasible: smallest peak {err.min_peak_bytes / MIB:.1f} MiB"
+                    )
                     continue
                 assert plan.predicted_peak_bytes is not None
                 remat.apply(w.model, plan)
@@ -87,7 +103,9 @@ def main() -> None:
             remat.apply(w.model, plan)
             measured = user_loop_peak(w, opt, "none")
             remat.remove(w.model)
-            print(f"{name:>7} planned for held gradients at 30%, run with gradients set to None: measured / budget {measured / plan.budget_bytes:.3f}")  # type: ignore[operator]
+            print(
+                f"{name:>7} planned for held gradients at 30%, run with gradients set to None: measured / budget {measured / plan.budget_bytes:.3f}"
+            )  # type: ignore[operator]
 
 
 if __name__ == "__main__":

@@ -35,14 +35,22 @@ def main() -> int:
         # Gradients held (zeroed in place), as in tests/hf: on configs this small parameter gradients
         # outweigh the activations, so budgets of 30-70% need that loop.
         prof = remat.profile(case.model, case.inputs, case.loss_fn, repeats=3, grads="held")
-        plans = [remat.plan(prof, strategy=remat.none()), remat.plan(prof, strategy=remat.segments(2)), remat.plan(prof, strategy=remat.sqrt())]
+        plans = [
+            remat.plan(prof, strategy=remat.none()),
+            remat.plan(prof, strategy=remat.segments(2)),
+            remat.plan(prof, strategy=remat.sqrt()),
+        ]
         for share in ("30%", "50%", "70%"):
             plans.append(remat.plan(prof, share))
-        result = compare(case.model, case.inputs, case.loss_fn, plans, rounds=args.rounds, description=name, grads="held")
+        result = compare(
+            case.model, case.inputs, case.loss_fn, plans, rounds=args.rounds, description=name, grads="held"
+        )
         for plan, row in zip(plans, result.rows):
             budget = f"{row.peak_bytes / plan.budget_bytes:.3f}" if plan.budget_bytes else "-"
             pred = f"{row.peak_bytes / plan.predicted_peak_bytes:.3f}" if plan.predicted_peak_bytes else "-"
-            label = f"{plan.strategy} @ {plan.budget_bytes / prof.peak_bytes:.0%}" if plan.budget_bytes else plan.strategy
+            label = (
+                f"{plan.strategy} @ {plan.budget_bytes / prof.peak_bytes:.0%}" if plan.budget_bytes else plan.strategy
+            )
             print(
                 f"| {name} | {label} | {budget} | {pred} | {row.overhead_pct:+.1f}% "
                 f"(peak {row.peak_bytes / result.rows[0].peak_bytes:.2f}x) | {'bitwise' if row.grads_equal else 'DIFFER'} |",

@@ -29,9 +29,9 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import remat
+from remat.core.trace import train_step, zero_grads
 from remat.errors import BudgetInfeasibleError
 from remat.integrations import hf
-from remat.measure.trace import train_step, zero_grads
 
 # No special tokens outside the vocabulary; no KV cache in training (HF's checkpointing forces that).
 _COMMON: dict[str, Any] = {"use_cache": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}

@@ -26,7 +26,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["gpt", "mlp"])
     parser.add_argument("--shares", nargs="+", type=float, default=[0.3, 0.5, 0.7])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--grads", choices=["none", "held"], default="none", help="the loop measured (remat.measure.Grads)")
+    parser.add_argument(
+        "--grads", choices=["none", "held"], default="none", help="the loop measured (remat.measure.Grads)"
+    )
     args = parser.parse_args()
     loop = {"grads": args.grads}
     for name in args.models:
@@ -35,12 +37,18 @@ def main() -> None:
         unplanned = remat.measure(w.model, w.inputs, w.loss_fn, steps=1, **loop).peak_bytes
         seeds = [remat.plan(prof, strategy=s) for s in bench_strategies(prof.blocks, prof)]
         optimal = [remat.plan(prof, int(share * unplanned)) for share in args.shares]
-        result = compare(w.model, w.inputs, w.loss_fn, seeds + optimal, rounds=args.rounds, description=w.description, **loop)
+        result = compare(
+            w.model, w.inputs, w.loss_fn, seeds + optimal, rounds=args.rounds, description=w.description, **loop
+        )
         rows = {r.label: r for r in result.rows}
         base = result.rows[0]
-        print(f"\n{w.description}: unplanned peak {unplanned / 2**20:.1f} MiB, step {base.step_ms:.1f} ms; {prof.loop.describe()}")
-        print(f"{'budget':>7} {'budget MiB':>10} {'measured':>9} {'predicted':>9} {'meas/budget':>11} {'meas/pred':>9} "
-              f"{'grads':>5} {'step ms':>8} {'best fitting seed':>34} {'depth':>5}  plan")
+        print(
+            f"\n{w.description}: unplanned peak {unplanned / 2**20:.1f} MiB, step {base.step_ms:.1f} ms; {prof.loop.describe()}"
+        )
+        print(
+            f"{'budget':>7} {'budget MiB':>10} {'measured':>9} {'predicted':>9} {'meas/budget':>11} {'meas/pred':>9} "
+            f"{'grads':>5} {'step ms':>8} {'best fitting seed':>34} {'depth':>5}  plan"
+        )
         for share, plan in zip(args.shares, optimal):
             row = result.rows[len(seeds) + args.shares.index(share)]
             fitting = [r for r in result.rows[: len(seeds)] if r.peak_bytes <= plan.budget_bytes]  # type: ignore[operator]

@@ -17,8 +17,9 @@ import time
 
 import numpy as np
 
+from remat.core.ops import Keep, Op, Recompute
 from remat.plan import solver
-from remat.plan.chain import Chain, Keep, Op, Recompute
+from remat.plan.chain import Chain
 
 MIB = 1 << 20
 

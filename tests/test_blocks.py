@@ -10,9 +10,9 @@ from torch import nn
 
 import remat
 from remat.blocks import LayerType, fingerprint
+from remat.core.ops import RecomputeSub
 from remat.errors import BlockSelectionError, RematError
 from remat.models import gpt, mlp_chain, resnet, unet
-from remat.plan.chain import RecomputeSub
 
 
 def names(block_list: tuple[remat.Block, ...]) -> list[str]:
@@ -20,7 +20,11 @@ def names(block_list: tuple[remat.Block, ...]) -> list[str]:
 
 
 def test_default_blocks_are_the_repeated_layers() -> None:
-    assert names(remat.blocks(gpt(vocab_size=16, d_model=8, n_heads=2, n_layers=3, seq_len=4))) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert names(remat.blocks(gpt(vocab_size=16, d_model=8, n_heads=2, n_layers=3, seq_len=4))) == [
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+    ]
     assert names(remat.blocks(resnet(layers=(1, 1, 1)))) == ["layer1", "layer2", "layer3"]
     assert names(remat.blocks(mlp_chain(widths=(4, 8, 6, 4)))) == ["0", "1", "2"]
     # No repeated children: the root's children.
@@ -52,7 +56,12 @@ def test_default_takes_every_stack_in_forward_order() -> None:
     assert names(remat.blocks(unet())) == ["downs.0", "downs.1", "downs.2", "ups.0", "ups.1", "ups.2"]
     # ResNet-50's stages have 3/4/6/3 bottlenecks, the first of each unlike the others: the 4 stages,
     # not the look-alike bottlenecks that leave each stage's first one out.
-    assert names(remat.blocks(resnet(block="bottleneck", layers=(3, 4, 6, 3)))) == ["layer1", "layer2", "layer3", "layer4"]
+    assert names(remat.blocks(resnet(block="bottleneck", layers=(3, 4, 6, 3)))) == [
+        "layer1",
+        "layer2",
+        "layer3",
+        "layer4",
+    ]
 
 
 class VisionText(nn.Module):
@@ -151,23 +160,36 @@ def test_include_types_and_filter() -> None:
     assert names(remat.blocks(model, include="blocks.*.attn")) == ["blocks.0.attn", "blocks.1.attn"]
     # Only the outermost matches become blocks.
     assert names(remat.blocks(model, include="blocks.*")) == ["blocks.0", "blocks.1"]
-    assert names(remat.blocks(model, types=nn.LayerNorm)) == ["blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1", "blocks.1.ln2", "ln_f"]
+    assert names(remat.blocks(model, types=nn.LayerNorm)) == [
+        "blocks.0.ln1",
+        "blocks.0.ln2",
+        "blocks.1.ln1",
+        "blocks.1.ln2",
+        "ln_f",
+    ]
     assert names(remat.blocks(model, filter=lambda m, fqn: fqn.endswith("mlp"))) == ["blocks.0.mlp", "blocks.1.mlp"]
     # fnmatch's * also matches dots; the outermost matches win.
-    assert names(remat.blocks(model, include="blocks.*", filter=lambda m, fqn: fqn.endswith("1"))) == ["blocks.0.ln1", "blocks.1"]
+    assert names(remat.blocks(model, include="blocks.*", filter=lambda m, fqn: fqn.endswith("1"))) == [
+        "blocks.0.ln1",
+        "blocks.1",
+    ]
     with pytest.raises(BlockSelectionError, match=r"no module of GPT matches include=\['decoder\.\*'\]"):
         remat.blocks(model, include="decoder.*")
 
 
 def fc_net() -> nn.Sequential:
-    return nn.Sequential(
-        *[nn.Linear(4, 4) if i % 2 == 0 else nn.ReLU() for i in range(6)]
-    )
+    return nn.Sequential(*[nn.Linear(4, 4) if i % 2 == 0 else nn.ReLU() for i in range(6)])
 
 
 def test_named_blocks_group_consecutive_siblings() -> None:
     model = nn.Sequential()
-    for name, mod in [("fc1", nn.Linear(4, 8)), ("act1", nn.ReLU()), ("fc2", nn.Linear(8, 8)), ("act2", nn.ReLU()), ("out", nn.Linear(8, 2))]:
+    for name, mod in [
+        ("fc1", nn.Linear(4, 8)),
+        ("act1", nn.ReLU()),
+        ("fc2", nn.Linear(8, 8)),
+        ("act2", nn.ReLU()),
+        ("out", nn.Linear(8, 2)),
+    ]:
         model.add_module(name, mod)
     found = remat.blocks(model, named=[["fc1", "act1", "fc2", "act2"], "out"])
     assert [b.fqns for b in found] == [("fc1", "act1", "fc2", "act2"), ("out",)]
@@ -179,7 +201,9 @@ def test_named_block_errors_name_the_offender_and_the_gap() -> None:
     model = nn.Sequential()
     for name in ["fc1", "act1", "fc2", "act2"]:
         model.add_module(name, nn.Linear(4, 4))
-    with pytest.raises(BlockSelectionError, match=r"'fc3', which is not a module of Sequential \(did you mean 'fc2', 'fc1'\?\)"):
+    with pytest.raises(
+        BlockSelectionError, match=r"'fc3', which is not a module of Sequential \(did you mean 'fc2', 'fc1'\?\)"
+    ):
         remat.blocks(model, named=[["fc1", "fc3"]])
     with pytest.raises(BlockSelectionError, match=r"'fc2' does not follow 'fc1' \(\['act1'\] lie between them\)"):
         remat.blocks(model, named=[["fc1", "fc2"]])
@@ -215,7 +239,10 @@ def test_type_hints() -> None:
         "blocks.0.ln2": LayerType.NORM,
         "blocks.0.mlp": LayerType.FFN,
     }
-    assert names(remat.blocks(gpt(vocab_size=16, d_model=8, n_heads=2, n_layers=2, seq_len=4))) == ["blocks.0", "blocks.1"]
+    assert names(remat.blocks(gpt(vocab_size=16, d_model=8, n_heads=2, n_layers=2, seq_len=4))) == [
+        "blocks.0",
+        "blocks.1",
+    ]
 
 
 def test_fingerprint_tracks_shapes() -> None:

@@ -32,7 +32,7 @@ from transformers import (
 
 import remat
 from remat.blocks import LayerType
-from remat.plan.chain import RecomputeSub
+from remat.core.ops import RecomputeSub
 
 N, D, FF, HEADS, VOCAB = 2, 16, 32, 2, 32
 # Special tokens inside the vocabulary; no KV cache in training, as HF sets it with checkpointing.

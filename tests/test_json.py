@@ -52,7 +52,12 @@ class Doc:
 
 
 R = Reader("doc", "write it again")
-GOOD: dict[str, Any] = {"name": "x", "items": [{"n": 1, "hint": "ffn"}, {"n": 2}], "counts": {"a": 1}, "spans": [["f", 1], {"name": "b", "start_ms": 2.5}]}
+GOOD: dict[str, Any] = {
+    "name": "x",
+    "items": [{"n": 1, "hint": "ffn"}, {"n": 2}],
+    "counts": {"a": 1},
+    "spans": [["f", 1], {"name": "b", "start_ms": 2.5}],
+}
 
 
 def test_build_reads_nested_values_and_defaults() -> None:
@@ -69,7 +74,10 @@ def test_build_reads_nested_values_and_defaults() -> None:
         ({"items": [{"hint": "ffn"}]}, r"^doc json: missing field 'items\[0\]\.n'; write it again$"),
         ({"items": [{"n": "1"}]}, r"field 'items\[0\]\.n' is \"1\", expected an integer"),
         ({"items": [{"n": True}]}, r"field 'items\[0\]\.n' is true, expected an integer"),
-        ({"items": [{"n": 1, "hint": "mlp"}]}, r"field 'items\[0\]\.hint' is \"mlp\", expected one of \"attention\", \"ffn\", \"embedding\", \"norm\", \"other\""),
+        (
+            {"items": [{"n": 1, "hint": "mlp"}]},
+            r"field 'items\[0\]\.hint' is \"mlp\", expected one of \"attention\", \"ffn\", \"embedding\", \"norm\", \"other\"",
+        ),
         ({"items": {"n": 1}}, r"field 'items' is an object, expected a list"),
         ({"counts": {"a": 1.5}}, r"field 'counts\[\"a\"\]' is 1\.5, expected an integer"),
         ({"counts": [1]}, r"field 'counts' is a list of 1, expected an object"),
@@ -100,7 +108,9 @@ def test_missing_required_and_unknown_keys(caplog: pytest.LogCaptureFixture) -> 
 
 
 def test_default_fix() -> None:
-    with pytest.raises(RematError, match=r"^doc json: missing field 'name'; write the doc file again with this version of remat$"):
+    with pytest.raises(
+        RematError, match=r"^doc json: missing field 'name'; write the doc file again with this version of remat$"
+    ):
         Reader("doc").build(Doc, {"items": [], "counts": {}})
 
 
@@ -116,7 +126,13 @@ def prof() -> Profile:
 
 
 MEASUREMENT = Measurement(
-    peak_bytes=1000, step_ms=2.0, step_ms_all=(2.0, 2.5), forward_counts={"layers.0": 2, "layers.1": 1}, held_bytes=10, device="cpu", plan="full"
+    peak_bytes=1000,
+    step_ms=2.0,
+    step_ms_all=(2.0, 2.5),
+    forward_counts={"layers.0": 2, "layers.1": 1},
+    held_bytes=10,
+    device="cpu",
+    plan="full",
 )
 TIMELINE = Timeline(
     t_ms=(0.0, 1.0, 2.0),
@@ -136,7 +152,10 @@ KINDS: list[tuple[Any, str]] = [(Profile, "profile"), (Plan, "plan"), (Measureme
 @pytest.mark.parametrize(
     ("text", "match"),
     [
-        ('{"schema_version": 1', r"json: not valid JSON \(Expecting ',' delimiter at line 1\); give a file written by remat"),
+        (
+            '{"schema_version": 1',
+            r"json: not valid JSON \(Expecting ',' delimiter at line 1\); give a file written by remat",
+        ),
         ("[]", r"json: the file holds a list of 0, not an object; give a file written by remat"),
         ('"plan"', r"json: the file holds \"plan\", not an object"),
         ("{}", r"json: schema_version None is not 1; "),
@@ -159,31 +178,53 @@ def test_profile_round_trip_and_robustness(prof: Profile, caplog: pytest.LogCapt
         change(d)
         return json.dumps(d)
 
-    fix = r"profile the model again: remat\.profile\(\.\.\.\)\.to_json\(\) or `remat profile MODEL --out profile\.json`$"
+    fix = (
+        r"profile the model again: remat\.profile\(\.\.\.\)\.to_json\(\) or `remat profile MODEL --out profile\.json`$"
+    )
     with pytest.raises(RematError, match=rf"^profile json: missing field 'peak_bytes'; {fix}"):
         Profile.from_json(with_(lambda d: d.pop("peak_bytes")))
-    with pytest.raises(RematError, match=r"^profile json: missing field 'block_profiles\[1\]\.fwd_ms'; profile the model again"):
+    with pytest.raises(
+        RematError, match=r"^profile json: missing field 'block_profiles\[1\]\.fwd_ms'; profile the model again"
+    ):
         Profile.from_json(with_(lambda d: d["block_profiles"][1].pop("fwd_ms")))
-    with pytest.raises(RematError, match=r"^profile json: field 'block_profiles\[0\]\.saved_bytes' is \"12KiB\", expected an integer"):
+    with pytest.raises(
+        RematError, match=r"^profile json: field 'block_profiles\[0\]\.saved_bytes' is \"12KiB\", expected an integer"
+    ):
         Profile.from_json(with_(lambda d: d["block_profiles"][0].update(saved_bytes="12KiB")))
     with pytest.raises(RematError, match=r"^profile json: field 'is_chain' is \"yes\", expected true or false"):
         Profile.from_json(with_(lambda d: d.update(is_chain="yes")))
-    with pytest.raises(RematError, match=r"^profile json: field 'blocks\[0\]\.type_hint' is \"layer\", expected one of \"attention\""):
+    with pytest.raises(
+        RematError, match=r"^profile json: field 'blocks\[0\]\.type_hint' is \"layer\", expected one of \"attention\""
+    ):
         Profile.from_json(with_(lambda d: d["blocks"][0].update(type_hint="layer")))
     n = len(data["blocks"])
-    with pytest.raises(RematError, match=rf"^profile json: field 'block_profiles' has {n - 1} entries for {n} blocks, expected one per block"):
+    with pytest.raises(
+        RematError,
+        match=rf"^profile json: field 'block_profiles' has {n - 1} entries for {n} blocks, expected one per block",
+    ):
         Profile.from_json(with_(lambda d: d["block_profiles"].pop()))
     with pytest.raises(RematError, match=r"^profile json: field 'blocks\[1\]\.index' is 0, expected 1"):
         Profile.from_json(with_(lambda d: d["blocks"][1].update(index=0)))
     # Fields with defaults may be missing (files written before they existed); unknown keys are ignored.
-    old = Profile.from_json(with_(lambda d: [d.pop("ckpt_call_ms"), d["block_profiles"][0].pop("ckpt_fwd_ms"), d["block_profiles"][0].pop("subs")]))
+    old = Profile.from_json(
+        with_(
+            lambda d: [
+                d.pop("ckpt_call_ms"),
+                d["block_profiles"][0].pop("ckpt_fwd_ms"),
+                d["block_profiles"][0].pop("subs"),
+            ]
+        )
+    )
     assert old.ckpt_call_ms == 0.0 and old.block_profiles[0].ckpt_fwd_ms == 0.0 and old.block_profiles[0].subs == ()
     with caplog.at_level(logging.WARNING, logger="remat._json"):
         assert Profile.from_json(with_(lambda d: d.update(gpu_name="H100"))) == prof
     assert "profile json: ignoring unknown field 'gpu_name'" in caplog.text
     # A plan given for a profile.
     plan = remat.plan(prof, strategy=remat.full())
-    with pytest.raises(RematError, match=r"^profile json: missing field 'model' and \d+ more of the fields a profile has \(it has 'baseline_peak_bytes', .*'ops'.* instead: is it another kind of file\?\); profile the model again"):
+    with pytest.raises(
+        RematError,
+        match=r"^profile json: missing field 'model' and \d+ more of the fields a profile has \(it has 'baseline_peak_bytes', .*'ops'.* instead: is it another kind of file\?\); profile the model again",
+    ):
         Profile.from_json(plan.to_json())
 
 
@@ -193,7 +234,10 @@ def test_measurement_round_trip_and_robustness() -> None:
     fix = r"measure again with remat\.measure\(\.\.\.\)\.to_json\(\) or `remat measure MODEL --out measure\.json`$"
     d = json.loads(text)
     d["forward_counts"]["layers.1"] = "once"
-    with pytest.raises(RematError, match=rf"^measure json: field 'forward_counts\[\"layers\.1\"\]' is \"once\", expected an integer; {fix}"):
+    with pytest.raises(
+        RematError,
+        match=rf"^measure json: field 'forward_counts\[\"layers\.1\"\]' is \"once\", expected an integer; {fix}",
+    ):
         Measurement.from_json(json.dumps(d))
     d = json.loads(text)
     d["step_ms_all"] = 2.0
@@ -217,16 +261,28 @@ def test_timeline_round_trip_and_robustness() -> None:
         with pytest.raises(RematError, match=match):
             Timeline.from_json(json.dumps(d))
 
-    bad(lambda d: d["phases"][0].pop(), rf"^timeline json: field 'phases\[0\]' is a list of 2, expected a list of 3 \(name, start_ms, end_ms\); {fix}")
-    bad(lambda d: d["intervals"][1].__setitem__(1, 7), r"^timeline json: field 'intervals\[1\]\[1\]' is 7, expected a string")
-    bad(lambda d: d["bytes"].append(5), rf"^timeline json: field 't_ms' has 3 entries and 'bytes' 4, expected one time per level; {fix}")
+    bad(
+        lambda d: d["phases"][0].pop(),
+        rf"^timeline json: field 'phases\[0\]' is a list of 2, expected a list of 3 \(name, start_ms, end_ms\); {fix}",
+    )
+    bad(
+        lambda d: d["intervals"][1].__setitem__(1, 7),
+        r"^timeline json: field 'intervals\[1\]\[1\]' is 7, expected a string",
+    )
+    bad(
+        lambda d: d["bytes"].append(5),
+        rf"^timeline json: field 't_ms' has 3 entries and 'bytes' 4, expected one time per level; {fix}",
+    )
     bad(lambda d: d.pop("intervals"), r"^timeline json: missing field 'intervals'")
     bad(lambda d: d.update(peak_bytes=None), r"^timeline json: field 'peak_bytes' is null, expected an integer")
 
 
 def test_load_keeps_its_signature() -> None:
     assert load('{"schema_version": 3, "x": 1}', "thing", 3) == {"schema_version": 3, "x": 1}
-    with pytest.raises(RematError, match=r"^thing json: schema_version 2 is not 3; write the thing file again with this version of remat$"):
+    with pytest.raises(
+        RematError,
+        match=r"^thing json: schema_version 2 is not 3; write the thing file again with this version of remat$",
+    ):
         load('{"schema_version": 2}', "thing", 3)
     with pytest.raises(RematError, match=r"^thing json: nested too deeply"):
         load("[" * 100_000 + "]" * 100_000, "thing", 3)
@@ -292,5 +348,7 @@ def test_cli_write_file_is_atomic(tmp_path: Path) -> None:
     os.link(path, tmp_path / "old")
     write_file(path, "new")
     assert path.read_text() == "new" and (tmp_path / "old").read_text() == "old"
-    with pytest.raises(RematError, match=r"^cannot write '.*/no/m\.json': No such file or directory; check that its folder exists"):
+    with pytest.raises(
+        RematError, match=r"^cannot write '.*/no/m\.json': No such file or directory; check that its folder exists"
+    ):
         write_file(tmp_path / "no" / "m.json", "x")

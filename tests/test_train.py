@@ -18,8 +18,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import remat
+from remat.core.trace import train_step
 from remat.errors import RematError
-from remat.measure.trace import train_step
 from remat.models import Workload, workload
 from remat.plan import Keep, Plan, Recompute
 from remat.train import accumulate, autocast_step, split_batch

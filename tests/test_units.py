@@ -14,13 +14,23 @@ from remat.units import Budget, format_bytes, parse_budget, parse_bytes
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("512", 512), (1024, 1024), ("500M", 500_000_000), ("1.5GiB", 3 * 2**29), ("2kib", 2048), ("1e3", 1000), ("7 MiB", 7 * 2**20)],
+    [
+        ("512", 512),
+        (1024, 1024),
+        ("500M", 500_000_000),
+        ("1.5GiB", 3 * 2**29),
+        ("2kib", 2048),
+        ("1e3", 1000),
+        ("7 MiB", 7 * 2**20),
+    ],
 )
 def test_parse_bytes(text: object, expected: int) -> None:
     assert parse_bytes(text) == expected  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("text", "match"), [("-1", "negative"), ("12 parsecs", "cannot read"), (True, "not a size"), ("", "cannot read")])
+@pytest.mark.parametrize(
+    ("text", "match"), [("-1", "negative"), ("12 parsecs", "cannot read"), (True, "not a size"), ("", "cannot read")]
+)
 def test_parse_bytes_rejects(text: object, match: str) -> None:
     with pytest.raises(RematError, match=match):
         parse_bytes(text)  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ The pipeline, one verb per stage::
     remat.remove(model)                               # and back
 """
 
+from remat._version import __version__
 from remat.apply import CheckpointedSequential, applied, apply, checkpoint, remove
 from remat.blocks import Block, LayerType, blocks
 from remat.errors import (
@@ -39,8 +40,6 @@ from remat.plan.strategies import (
 )
 from remat.profile import BlockProfile, Profile, profile
 from remat.train import accumulate, autocast_step, split_batch
-
-__version__ = "0.1.0"
 
 __all__ = [
     "profile",

@@ -162,7 +162,9 @@ class Reader:
         if origin is dict:
             key_tp, item_tp = args or (Any, Any)
             data = self.object(value, path)
-            return {self.value(key_tp, k, path): self.value(item_tp, v, f"{path}[{json.dumps(k)}]") for k, v in data.items()}
+            return {
+                self.value(key_tp, k, path): self.value(item_tp, v, f"{path}[{json.dumps(k)}]") for k, v in data.items()
+            }
         if isinstance(tp, type) and issubclass(tp, tuple) and hasattr(tp, "_fields"):
             return self._named_tuple(tp, value, path)
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
@@ -204,7 +206,9 @@ class Reader:
     def _missing_in(self, cls: Any, data: Mapping[str, Any], sub: str, path: str) -> RematError:
         # A top-level object lacking most required fields is taken for another kind of file.
         fields = dataclasses.fields(cls)
-        required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        required = [
+            f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
         lacking = [n for n in required if n not in data]
         names = {f.name for f in fields} | set(_ENVELOPE)
         others = sorted(k for k in data if k not in names)
@@ -306,12 +310,12 @@ def load(text: str, what: str | Reader, schema_version: int) -> dict[str, Any]:
     except RecursionError:
         raise RematError(f"{reader.kind} json: nested too deeply to read; give a file written by remat") from None
     if not isinstance(data, dict):
-        raise RematError(f"{reader.kind} json: the file holds {_show(data)}, not an object; give a file written by remat")
+        raise RematError(
+            f"{reader.kind} json: the file holds {_show(data)}, not an object; give a file written by remat"
+        )
     found = data.get("schema_version")
     if found != schema_version or isinstance(found, bool):
-        raise RematError(
-            f"{reader.kind} json: schema_version {found!r} is not {schema_version}; {reader.remedy}"
-        )
+        raise RematError(f"{reader.kind} json: schema_version {found!r} is not {schema_version}; {reader.remedy}")
     return data
 
 

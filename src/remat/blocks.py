@@ -16,13 +16,15 @@ import textwrap
 import types
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import Enum
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from remat._json import Reader
 from remat.errors import BlockSelectionError
 
 __all__ = ["LayerType", "Block", "blocks", "fingerprint", "resolve"]
@@ -68,6 +70,21 @@ class Block:
     def name(self) -> str:
         """The block's display name: its FQN, or ``first..last`` for a named group."""
         return self.fqns[0] if len(self.fqns) == 1 else f"{self.fqns[0]}..{self.fqns[-1]}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The block as plain JSON values."""
+        d = asdict(self)
+        d["type_hint"] = self.type_hint.value
+        return d
+
+    @classmethod
+    def from_json(cls, data: Any, reader: Reader | None = None, path: str = "block") -> Block:
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            RematError: If a field is missing or of the wrong type (``reader`` names the file, ``path`` the block).
+        """
+        return (reader or Reader("block")).build(cls, data, path)
 
 
 _NORMS = (
@@ -130,7 +147,9 @@ def _is_activation(module: nn.Module) -> bool:
 
 def _calls_activation(cls: type) -> bool:
     """Whether ``cls.forward`` calls an activation function (``F.gelu``, ``torch.tanh``, ``bloom_gelu_forward``)."""
-    return any(name in _ACTIVATION_CALLS or _ACTIVATION_CALLS.intersection(name.split("_")) for name in _source(cls).calls)
+    return any(
+        name in _ACTIVATION_CALLS or _ACTIVATION_CALLS.intersection(name.split("_")) for name in _source(cls).calls
+    )
 
 
 def _expert_bank(module: nn.Module) -> bool:
@@ -324,7 +343,9 @@ class _Anatomy:
 
     def ffn_shaped_outside(self, fqns: Sequence[str], members: Sequence[nn.Module], attention: Sequence[str]) -> bool:
         """Whether the projections of ``members`` outside their attention sub-modules expand and contract."""
-        skip = {id(m) for top, member in zip(fqns, members) for n, m in member.named_modules() if _join(top, n) in attention}
+        skip = {
+            id(m) for top, member in zip(fqns, members) for n, m in member.named_modules() if _join(top, n) in attention
+        }
 
         def units(module: nn.Module) -> list[tuple[int, int]]:
             if id(module) in skip:
@@ -429,7 +450,11 @@ def _infer(
     members = [model.get_submodule(f) for f in fqns]
     if len(members) == 1 and anatomy.is_attention(members[0]):
         return LayerType.ATTENTION, (), ()
-    if len(members) == 1 and anatomy.is_ffn(members[0]) and not any(isinstance(m, _MIXERS) for m in members[0].modules()):
+    if (
+        len(members) == 1
+        and anatomy.is_ffn(members[0])
+        and not any(isinstance(m, _MIXERS) for m in members[0].modules())
+    ):
         return LayerType.FFN, (), ()
     attn: list[str] = []
     ffn: list[str] = []
@@ -450,8 +475,10 @@ def _infer(
         return LayerType.EMBEDDING, (), ()
     if leaves and all(_is_norm(m) for m in leaves):
         return LayerType.NORM, (), ()
-    if leaves and any(_widths(m) is not None for m in leaves) and all(
-        isinstance(m, _PLAIN_FFN) or _widths(m) is not None or _is_activation(m) for m in leaves
+    if (
+        leaves
+        and any(_widths(m) is not None for m in leaves)
+        and all(isinstance(m, _PLAIN_FFN) or _widths(m) is not None or _is_activation(m) for m in leaves)
     ):
         return LayerType.FFN, (), ()
     return LayerType.OTHER, (), ()

@@ -40,8 +40,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
+from remat.core.trace import call_model, device_of
 from remat.errors import RematError
-from remat.measure.trace import call_model, device_of
 
 __all__ = ["accumulate", "autocast_step", "split_batch", "REDUCTIONS", "DEFAULT_AUTOCAST_DTYPES"]
 

@@ -59,7 +59,9 @@ def parse_bytes(value: int | float | str) -> int:
             )
         number = float(match.group(1)) * _UNITS[unit]
     if number < 0 or number != number or number == float("inf"):
-        raise RematError(f"size: {value!r} is negative, infinite or not a number; a size must be a finite number >= 0 bytes")
+        raise RematError(
+            f"size: {value!r} is negative, infinite or not a number; a size must be a finite number >= 0 bytes"
+        )
     return int(number)
 
 
@@ -77,7 +79,9 @@ class Budget:
 
     def __post_init__(self) -> None:
         if (self.bytes is None) == (self.fraction is None):
-            raise RematError(f"budget: give exactly one of bytes or fraction, got bytes={self.bytes!r}, fraction={self.fraction!r}")
+            raise RematError(
+                f"budget: give exactly one of bytes or fraction, got bytes={self.bytes!r}, fraction={self.fraction!r}"
+            )
         if self.fraction is not None and not 0 < self.fraction <= 1:
             raise RematError(f"budget: fraction={self.fraction!r} is outside (0, 1]; give e.g. 0.4 for 40%")
         if self.bytes is not None and self.bytes < 0:
@@ -124,9 +128,13 @@ def parse_budget(value: int | float | str | Budget) -> Budget:
         try:
             pct = float(text)
         except ValueError:
-            raise RematError(f"budget: cannot read {value!r}; write a share like '40%' or a size like '1.5GiB'") from None
+            raise RematError(
+                f"budget: cannot read {value!r}; write a share like '40%' or a size like '1.5GiB'"
+            ) from None
         if not 0 < pct <= 100:
-            raise RematError(f"budget: share {value!r} is outside (0%, 100%]; 100% is the unplanned peak itself, give e.g. '40%'")
+            raise RematError(
+                f"budget: share {value!r} is outside (0%, 100%]; 100% is the unplanned peak itself, give e.g. '40%'"
+            )
         return Budget(fraction=pct / 100)
     if isinstance(value, float) and 0 < value <= 1:
         raise RematError(

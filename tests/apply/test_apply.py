@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import remat
+from remat.core.ops import Keep, Recompute
 from remat.errors import PlanMismatchError, RematError
 from remat.models import Workload, workload
-from remat.plan.chain import Keep, Recompute
 from remat.plan.strategies import STRATEGIES, bench_strategies
 from remat.plan.types import Plan
 
@@ -43,7 +43,18 @@ def test_every_strategy_gives_bitwise_equal_gradients(name: str, request: pytest
     w: Workload = request.getfixturevalue(name)
     prof = remat.profile(w.model, w.inputs, w.loss_fn, repeats=1)
     strategies = bench_strategies(prof.blocks, prof)
-    assert {s.name for s in strategies} >= {"none", "full", "every_nth", "selective", "dynamic", "ratio", "largest", "budget", "segments", "sqrt"}
+    assert {s.name for s in strategies} >= {
+        "none",
+        "full",
+        "every_nth",
+        "selective",
+        "dynamic",
+        "ratio",
+        "largest",
+        "budget",
+        "segments",
+        "sqrt",
+    }
     # Every registered strategy, also those the bench leaves out here: named blocks (two consecutive
     # layers as one block) and attention_only, which says so on the MLP chain (it has no attention).
     first, second = (b.fqns[0] for b in prof.blocks[:2])
@@ -222,7 +233,9 @@ def test_plan_mismatch() -> None:
     a = workload("mlp", widths=(8, 16, 8), batch=4)
     b = workload("mlp", widths=(8, 32, 8), batch=4)
     plan = remat.plan(remat.profile(a.model, a.inputs, a.loss_fn, repeats=1), strategy=remat.full())
-    with pytest.raises(PlanMismatchError, match=r"made for blocks with fingerprint [0-9a-f]+, but this model's blocks 0..1 give"):
+    with pytest.raises(
+        PlanMismatchError, match=r"made for blocks with fingerprint [0-9a-f]+, but this model's blocks 0..1 give"
+    ):
         remat.apply(b.model, plan)
     other = workload("gpt", n_layers=1, d_model=8, n_heads=2, seq_len=4, batch=1, vocab_size=16)
     with pytest.raises(PlanMismatchError, match="does not fit this model"):
@@ -292,7 +305,9 @@ def test_function_checkpoint_and_checkpointed_sequential() -> None:
 def test_keywords_that_torch_checkpoint_reserves_reach_the_function() -> None:
     # remat does not call torch.utils.checkpoint, so no keyword is taken away from the user's function.
     x = torch.ones(2, requires_grad=True)
-    out = remat.checkpoint(lambda t, debug, early_stop, use_reentrant: t * 2 + debug, x, debug=1, early_stop=2, use_reentrant=3)
+    out = remat.checkpoint(
+        lambda t, debug, early_stop, use_reentrant: t * 2 + debug, x, debug=1, early_stop=2, use_reentrant=3
+    )
     out.sum().backward()
     assert torch.equal(out, x.detach() * 2 + 1) and torch.equal(x.grad, torch.full((2,), 2.0))  # type: ignore[arg-type]
 

@@ -62,7 +62,23 @@ def test_profile_and_plan_write_json_that_reads_back(tmp_path: Path) -> None:
 
 
 def test_user_factory(tmp_path: Path) -> None:
-    assert main(["bench", "tests.cli.factory:make", "--set", "width=6", "--strategy", "full", "--rounds", "1", "--json", str(tmp_path / "b.json")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "tests.cli.factory:make",
+                "--set",
+                "width=6",
+                "--strategy",
+                "full",
+                "--rounds",
+                "1",
+                "--json",
+                str(tmp_path / "b.json"),
+            ]
+        )
+        == 0
+    )
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert [r["label"] for r in rows] == ["none", "full"]
 
@@ -70,7 +86,10 @@ def test_user_factory(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["bench", "resnet50"], "error: model: unknown built-in 'resnet50'; did you mean 'resnet'? built-in models are gpt, resnet"),
+        (
+            ["bench", "resnet50"],
+            "error: model: unknown built-in 'resnet50'; did you mean 'resnet'? built-in models are gpt, resnet",
+        ),
         (["plan", *MLP, "--budget", "1B"], "error: plan: budget 1B is below the smallest feasible peak"),
         (["plan", *MLP, "--budget", "lots"], "error: budget: cannot read 'lots'"),
         (["bench", *MLP, "--strategy", "every_nth(0)"], "error: strategy every_nth: n=0 is invalid"),
@@ -86,7 +105,9 @@ def test_user_factory(tmp_path: Path) -> None:
         (["plan", *MLP, "--budget", "1e400"], "error: budget: '1e400' is negative, infinite or not a number"),
     ],
 )
-def test_user_mistakes_print_one_error_line_and_exit_1(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_user_mistakes_print_one_error_line_and_exit_1(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert err.startswith(message), err
@@ -125,22 +146,43 @@ def remat_files(tmp_path: Path) -> dict[str, str]:
 
 
 FAST_MISTAKES = [
-    (["bench", "--budget", "150%"], "error: budget: share '150%' is outside (0%, 100%]; 100% is the unplanned peak itself"),
-    (["bench", "--budget", "-1GiB"], "error: budget: '-1GiB' is negative; give a size >= 0 such as '1.5GiB' or a share"),
+    (
+        ["bench", "--budget", "150%"],
+        "error: budget: share '150%' is outside (0%, 100%]; 100% is the unplanned peak itself",
+    ),
+    (
+        ["bench", "--budget", "-1GiB"],
+        "error: budget: '-1GiB' is negative; give a size >= 0 such as '1.5GiB' or a share",
+    ),
     (["plan", "--budget", "40"], "error: budget: '40' has no unit, so it means 40 bytes; did you mean '40%'?"),
     (["report", "--budget", "0.4"], "error: budget: '0.4' has no unit, so it means 0 bytes; did you mean '40%'?"),
     (["bench", "--rounds", "0"], "error: --rounds 0: must be an integer >= 1; e.g. --rounds 5"),
     (["report", "--budget", "40%", "--rounds", "-2"], "error: --rounds -2: must be an integer >= 1"),
     (["profile", "--repeats", "0"], "error: --repeats 0: must be an integer >= 1"),
     (["measure", "--steps", "0"], "error: --steps 0: must be an integer >= 1"),
-    (["bench", "--strategy", "every_nt(2)"], "error: --strategy 'every_nt(2)': unknown strategy 'every_nt'; did you mean 'every_nth'? valid strategies are none, full, every_nth"),
+    (
+        ["bench", "--strategy", "every_nt(2)"],
+        "error: --strategy 'every_nt(2)': unknown strategy 'every_nt'; did you mean 'every_nth'? valid strategies are none, full, every_nth",
+    ),
     (["bench", "--strategy", "every_nth(0)"], "error: strategy every_nth: n=0 is invalid"),
-    (["bench", *MLP, "--strategy", "selective([0, 9])"], "error: strategy selective: indices [9] are out of range for 5 blocks"),
+    (
+        ["bench", *MLP, "--strategy", "selective([0, 9])"],
+        "error: strategy selective: indices [9] are out of range for 5 blocks",
+    ),
     (["bench", *MLP, "--strategy", "named([['zz']])"], "error: strategy named: [['zz']] are not blocks here"),
-    (["measure", "--plan", "{profile}"], "error: --plan '{profile}': this is a profile file (from `remat profile`), not a plan; make a plan from it with `remat plan MODEL --budget 40% --profile {profile}`"),
-    (["plan", "--budget", "40%", "--profile", "{plan}"], "error: --profile '{plan}': this is a plan file (from `remat plan`), not a profile; pass a profile.json"),
+    (
+        ["measure", "--plan", "{profile}"],
+        "error: --plan '{profile}': this is a profile file (from `remat profile`), not a plan; make a plan from it with `remat plan MODEL --budget 40% --profile {profile}`",
+    ),
+    (
+        ["plan", "--budget", "40%", "--profile", "{plan}"],
+        "error: --profile '{plan}': this is a plan file (from `remat plan`), not a profile; pass a profile.json",
+    ),
     (["bench", "resnet50"], "error: model: unknown built-in 'resnet50'; did you mean 'resnet'?"),
-    (["bench", "gpt", "--set", "depth=3"], "error: --set: model 'gpt' has no size 'depth'; its keys are n_layers, d_model"),
+    (
+        ["bench", "gpt", "--set", "depth=3"],
+        "error: --set: model 'gpt' has no size 'depth'; its keys are n_layers, d_model",
+    ),
     (["bench", "mymodel:convnet"], "error: model: no module 'mymodel' (from 'mymodel:convnet') in "),
     (["bench", "./mymodel.py:convnet"], "error: model: no file './mymodel.py' (from './mymodel.py:convnet') in "),
 ]
@@ -160,10 +202,14 @@ def test_mistakes_fail_before_any_measuring(
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
-def test_a_budget_at_the_plain_peak_says_nothing_needs_checkpointing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_budget_at_the_plain_peak_says_nothing_needs_checkpointing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     prof_path = tmp_path / "profile.json"
     assert main(["profile", *MLP, "--repeats", "1", "--out", str(prof_path)]) == 0
-    assert main(["plan", *MLP, "--budget", "100%", "--profile", str(prof_path), "--out", str(tmp_path / "plan.json")]) == 0
+    assert (
+        main(["plan", *MLP, "--budget", "100%", "--profile", str(prof_path), "--out", str(tmp_path / "plan.json")]) == 0
+    )
     assert "budget 100% is at or above the unplanned peak" in capsys.readouterr().out
 
 
@@ -242,8 +288,16 @@ def test_file_path_function(own_folder: Path, tmp_path: Path) -> None:
     ("source", "spec", "message"),
     [
         (FACTORY, "./own_err.py:build", "model: './own_err.py' has no function 'build'; functions defined there: make"),
-        ("import not_installed_pkg\n", "own_err:make", "model: importing 'own_err' failed: No module named 'not_installed_pkg'"),
-        ("raise KeyError('x')\n", "./own_err.py:make", "model: loading './own_err.py' raised KeyError: 'x'; fix that file"),
+        (
+            "import not_installed_pkg\n",
+            "own_err:make",
+            "model: importing 'own_err' failed: No module named 'not_installed_pkg'",
+        ),
+        (
+            "raise KeyError('x')\n",
+            "./own_err.py:make",
+            "model: loading './own_err.py' raised KeyError: 'x'; fix that file",
+        ),
     ],
 )
 def test_factory_import_errors_name_the_fix(own_folder: Path, source: str, spec: str, message: str) -> None:
@@ -296,7 +350,9 @@ def _fake_timer(monkeypatch: pytest.MonkeyPatch, times_ms: list[float]) -> None:
     monkeypatch.setattr(compare_module, "timed_steps", lambda step, device, repeats: [next(order)])
 
 
-def test_bench_warns_when_the_spread_is_too_large_to_rank(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_warns_when_the_spread_is_too_large_to_rank(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     # none, full per round: the 2-3x scatter; full is only ~7% slower than none.
     _fake_timer(monkeypatch, [310, 150, 131, 330, 168, 180, 267, 290, 148, 160])
     assert main(["bench", "tests.cli.factory:make", "--strategy", "full", "--rounds", "5"]) == 0
@@ -309,7 +365,9 @@ def test_bench_warns_when_the_spread_is_too_large_to_rank(monkeypatch: pytest.Mo
     assert out.count(warning) == 2  # in the table's caption and in the summary below it
 
 
-def test_bench_does_not_warn_on_steady_timings(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_does_not_warn_on_steady_timings(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     _fake_timer(monkeypatch, [100, 130, 101, 131, 99, 129])
     assert main(["bench", "tests.cli.factory:make", "--strategy", "full", "--rounds", "3"]) == 0
     out = capsys.readouterr().out
@@ -336,7 +394,9 @@ def test_summary_claims_fastest_only_beyond_the_spread() -> None:
     result = BenchResult(model="m", device="cpu", held_bytes=0, rounds=5, rows=rows)
     [line] = budget_verdicts(result)
     # knapsack is 0.9% slower, within the 2% spread: no "fastest" claim, and it is named.
-    assert line.endswith("no faster plan fits, but knapsack @ 50% (111.0ms) is within the run-to-run spread (spreads up to 2%): not ranked")
+    assert line.endswith(
+        "no faster plan fits, but knapsack @ 50% (111.0ms) is within the run-to-run spread (spreads up to 2%): not ranked"
+    )
     faster_knapsack = rows[:4] + (_row("knapsack @ 50%", 90.0, 2.0, 49 * mib, budget=50 * mib),)
     [line] = budget_verdicts(BenchResult(model="m", device="cpu", held_bytes=0, rounds=5, rows=faster_knapsack))
     assert line.endswith("-> slower than knapsack @ 50% (90.0ms)")

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import remat
-from remat.plan.chain import Keep, Recompute
+from remat.core.ops import Keep, Recompute
 from remat.plan.types import Plan
 
 

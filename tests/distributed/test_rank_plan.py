@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
-from remat.distributed import active, merge_profiles, one_plan, unwrap
+from remat.core.wrapped import active, unwrap
 from remat.errors import PlanMismatchError
 from remat.models import Workload
+from remat.plan.ranks import merge_profiles, one_plan
 from remat.profile import Profile
 
 from ..conftest import TinyNet

@@ -40,7 +40,13 @@ BATCH, SEQ, VOCAB, HIDDEN, LAYERS, HEADS = 2, 16, 64, 64, 8, 4
 # the most parameters), the encoder's activations are a fixed cost, so the encoder is kept small and the
 # decoder deeper: the smallest feasible peak is then about 26% with nested segments, 32% without.
 T5_ENCODER_LAYERS, T5_DECODER_LAYERS = 2, 12
-LAYER_CLASSES = {"gpt2": "GPT2Block", "llama": "LlamaDecoderLayer", "bert": "BertLayer", "t5": "T5Block", "vit": "ViTLayer"}
+LAYER_CLASSES = {
+    "gpt2": "GPT2Block",
+    "llama": "LlamaDecoderLayer",
+    "bert": "BertLayer",
+    "t5": "T5Block",
+    "vit": "ViTLayer",
+}
 P = 0.1  # every dropout probability
 PEAK_SLACK = 1.05  # measured peak <= budget x this
 
@@ -95,7 +101,12 @@ def bert() -> Case:
     mask = torch.ones(BATCH, SEQ, dtype=torch.long)
     mask[1, -4:] = 0  # padding in the second sequence, so the attention mask matters
     target = torch.randn(BATCH, SEQ, HIDDEN)
-    inputs = {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids), "output_hidden_states": True}
+    inputs = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "token_type_ids": torch.zeros_like(ids),
+        "output_hidden_states": True,
+    }
     return Case(model, inputs, lambda out: F.mse_loss(out.last_hidden_state, target) + _hidden_loss(out.hidden_states))
 
 
@@ -170,4 +181,6 @@ def test_plan_is_bitwise_exact_within_budget(hf: ZooRun, name: str, label: str) 
     if budget is not None:
         case = outcome.case
         peak = remat.measure(case.model, case.inputs, case.loss_fn, steps=1, grads=GRADS).peak_bytes
-        assert peak <= budget * PEAK_SLACK, f"{name} x {label}: measured peak {peak} B > budget {budget} B x {PEAK_SLACK}"
+        assert peak <= budget * PEAK_SLACK, (
+            f"{name} x {label}: measured peak {peak} B > budget {budget} B x {PEAK_SLACK}"
+        )

@@ -11,10 +11,11 @@ import torch
 from torch import nn
 
 import remat
+from remat.core.trace import mark, record_memory
 from remat.errors import RematError
 from remat.measure import Grads, Loop, Measurement
-from remat.measure.trace import mark, record_memory
 from remat.models import Workload, workload
+from remat.plan.chain import chain_of
 from remat.profile import Profile
 
 MIB = 2**20
@@ -126,7 +127,7 @@ def test_gradients_are_charged_to_the_backward_that_allocates_them(small_gpt: Wo
     assert [bp.grad_bytes for bp in prof.block_profiles] == [nbytes(b) for b in model.blocks]
     assert prof.head_grad_bytes == nbytes(model.ln_f) + nbytes(model.head)
     assert prof.tail_grad_bytes == nbytes(model.tok_emb) + nbytes(model.pos_emb)
-    assert prof.chain().grad_bytes == (*(nbytes(b) for b in model.blocks), prof.head_grad_bytes)
+    assert chain_of(prof).grad_bytes == (*(nbytes(b) for b in model.blocks), prof.head_grad_bytes)
     # Every gradient is allocated in the step: the held memory is the parameters, buffers and inputs.
     held = remat.profile(model, w.inputs, w.loss_fn, repeats=1, grads="held")
     assert held.held_bytes - prof.held_bytes == nbytes(model)
@@ -170,21 +171,33 @@ def test_measuring_with_an_optimizer_changes_nothing(small_mlp: Workload) -> Non
 
 def test_loop_options_and_files(small_mlp: Workload) -> None:
     w = small_mlp
-    assert Loop().describe() == "peak of forward + backward, gradients allocated in the backward, above parameters, buffers and inputs"
+    assert (
+        Loop().describe()
+        == "peak of forward + backward, gradients allocated in the backward, above parameters, buffers and inputs"
+    )
     assert Loop(Grads.HELD, "AdamW").describe() == (
         "peak of forward + backward + AdamW step, gradients held, zeroed in place, above parameters, gradients, "
         "buffers, inputs and optimizer state"
     )
-    with pytest.raises(RematError, match=r"^profile: grads='zero' is not a loop style; valid styles are 'none', 'held'"):
+    with pytest.raises(
+        RematError, match=r"^profile: grads='zero' is not a loop style; valid styles are 'none', 'held'"
+    ):
         remat.profile(w.model, w.inputs, w.loss_fn, grads="zero")
-    with pytest.raises(RematError, match=r"^measure: optimizer='adamw' is neither a torch.optim.Optimizer nor a callable"):
+    with pytest.raises(
+        RematError, match=r"^measure: optimizer='adamw' is neither a torch.optim.Optimizer nor a callable"
+    ):
         remat.measure(w.model, w.inputs, w.loss_fn, optimizer="adamw")  # type: ignore[arg-type]
-    with pytest.raises(RematError, match=r"^timeline: optimizer factory '<lambda>' returned list, not a torch.optim.Optimizer"):
+    with pytest.raises(
+        RematError, match=r"^timeline: optimizer factory '<lambda>' returned list, not a torch.optim.Optimizer"
+    ):
         remat.timeline(w.model, w.inputs, w.loss_fn, optimizer=lambda params: params)  # type: ignore[arg-type,return-value]
     prof = remat.profile(w.model, w.inputs, w.loss_fn, repeats=1, grads="held", optimizer=torch.optim.Adam)
     assert Profile.from_json(prof.to_json()) == prof
     m = remat.measure(w.model, w.inputs, w.loss_fn, steps=1, grads=Grads.HELD)
-    assert Measurement.from_json(m.to_json()) == m and json.loads(m.to_json())["loop"] == {"grads": "held", "optimizer": None}
+    assert Measurement.from_json(m.to_json()) == m and json.loads(m.to_json())["loop"] == {
+        "grads": "held",
+        "optimizer": None,
+    }
     # Files written before loops existed measured gradients held.
     old = json.loads(m.to_json())
     del old["loop"]

@@ -16,8 +16,9 @@ import torch
 import remat
 from remat.blocks import Block, LayerType
 from remat.cli.main import main
+from remat.core.ops import Keep, Op, Recompute, RecomputeSub, ops_from_json, ops_to_json, validate_ops
 from remat.errors import PlanMismatchError, RematError
-from remat.plan.chain import Chain, Keep, Op, Recompute, RecomputeSub, ops_from_json, ops_to_json, validate_ops
+from remat.plan.chain import Chain
 from remat.plan.solver import simulate
 from remat.plan.types import Plan
 from tests.conftest import TinyNet
@@ -70,7 +71,9 @@ def test_round_trips() -> None:
 
 def test_optional_fields_take_their_defaults() -> None:
     # A file written by hand (or by an older remat) with only the required fields.
-    old = edited(lambda d: [d.pop(k) for k in ("fingerprint", "budget_bytes", "predicted_peak_bytes", "baseline_step_ms")])
+    old = edited(
+        lambda d: [d.pop(k) for k in ("fingerprint", "budget_bytes", "predicted_peak_bytes", "baseline_step_ms")]
+    )
     plan = Plan.from_json(old)
     assert plan.fingerprint is None and plan.budget_bytes is None and plan.baseline_step_ms is None
     assert plan.ops == OPS and plan.predicted_extra_ms == 1.5
@@ -132,7 +135,10 @@ R1 = Recompute(1, 2, (Keep(1),))
         (_set("strategy", 3), rf"^plan json: field 'strategy' is 3, expected a string; {FIX}"),
         (_set("blocks", {"0": {}}), r"field 'blocks' is an object, expected a list"),
         (_set("blocks.0", "layers.0"), r"field 'blocks\[0\]' is \"layers\.0\", expected an object"),
-        (_set("blocks.2.type_hint", "attn"), r"field 'blocks\[2\]\.type_hint' is \"attn\", expected one of \"attention\", \"ffn\""),
+        (
+            _set("blocks.2.type_hint", "attn"),
+            r"field 'blocks\[2\]\.type_hint' is \"attn\", expected one of \"attention\", \"ffn\"",
+        ),
         (_set("blocks.2.fqns", "layers.2"), r"field 'blocks\[2\]\.fqns' is \"layers\.2\", expected a list"),
         (_set("blocks.2.param_bytes", 1.5), r"field 'blocks\[2\]\.param_bytes' is 1\.5, expected an integer"),
         (_set("budget_bytes", "1GiB"), r"field 'budget_bytes' is \"1GiB\", expected an integer"),
@@ -141,26 +147,65 @@ R1 = Recompute(1, 2, (Keep(1),))
         (_set("fingerprint", 5), r"field 'fingerprint' is 5, expected a string"),
         (_set("ops", {"op": "keep"}), r"field 'ops' is not a list, expected a list of operations"),
         (_set("ops.0", 0), r"field 'ops\[0\]' is 0, expected an object"),
-        (_set("ops.0.op", "drop"), r"field 'ops\[0\]\.op' is 'drop', expected one of 'keep', 'recompute', 'recompute_sub'"),
+        (
+            _set("ops.0.op", "drop"),
+            r"field 'ops\[0\]\.op' is 'drop', expected one of 'keep', 'recompute', 'recompute_sub'",
+        ),
         (_set("ops.0.index", "0"), r"field 'ops\[0\]\.index' is \"0\", expected an integer"),
         (_set("ops.1.stop", None), r"field 'ops\[1\]\.stop' is null, expected an integer"),
         (_set("ops.1.inner", "K1 K2"), r"field 'ops\[1\]\.inner' is not a list"),
         (_set("ops.1.inner.0.index", 1.0), r"field 'ops\[1\]\.inner\[0\]\.index' is 1\.0, expected an integer"),
         # blocks out of order
-        (_set("blocks.1.index", 2), r"field 'blocks\[1\]\.index' is 2, expected 1 \(blocks are listed in forward order from 0\)"),
+        (
+            _set("blocks.1.index", 2),
+            r"field 'blocks\[1\]\.index' is 2, expected 1 \(blocks are listed in forward order from 0\)",
+        ),
         # operations that do not cover every block once, in order, within bounds
-        (_set("ops", op_list(Keep(0), Keep(2), Keep(3))), r"^plan json: ops: plan operation K2 at position 1 is for block 2, expected block 1"),
-        (_set("ops", op_list(Keep(0), Keep(0), Keep(1), Keep(2), Keep(3))), r"operation K0 at position 1 is for block 0, expected block 1"),
-        (_set("ops", op_list(Keep(0), Keep(1), Keep(2), Keep(3), Keep(4))), r"operation K4 at position 4 is past block 3"),
-        (_set("ops", op_list(Keep(0), Keep(1), Keep(2))), r"operations cover blocks 0\.\.2 but must cover 0\.\.3; add the missing"),
-        (_set("ops", op_list(Keep(0), Keep(1), Recompute(2, 5, (Keep(2), Keep(3), Keep(4))))), r"R\[2:5\]\(K2 K3 K4\) at position 2 spans blocks 2\.\.4, expected a non-empty span starting at block 2 and ending by block 3"),
-        (_set("ops", op_list(Keep(0), Recompute(1, 1, ()), Keep(1), Keep(2), Keep(3))), r"R\[1:1\]\(\) at position 1 spans blocks 1\.\.0"),
-        (_set("ops", op_list(Recompute(0, 2, (Keep(0), R1)), Keep(2), Keep(3))), r"ends its inner plan with R\[1:2\]\(K1\); the inner plan of a recompute must end with Keep\(1\)"),
-        (_set("ops", op_list(Recompute(0, 2, ()), Keep(2), Keep(3))), r"R\[0:2\]\(\) at position 0 ends its inner plan with nothing"),
-        (_set("ops", op_list(Recompute(0, 2, (Keep(1), Keep(1))), Keep(2), Keep(3))), r"inner plan of R\[0:2\]\(K1 K1\): operation K1 at position 0 is for block 1, expected block 0"),
-        (_set("ops", op_list(Recompute(0, 2, (Keep(0), Keep(1), Keep(2))), Keep(2), Keep(3))), r"inner plan of R\[0:2\]\(K0 K1 K2\): operation K2 at position 2 is past block 1"),
+        (
+            _set("ops", op_list(Keep(0), Keep(2), Keep(3))),
+            r"^plan json: ops: plan operation K2 at position 1 is for block 2, expected block 1",
+        ),
+        (
+            _set("ops", op_list(Keep(0), Keep(0), Keep(1), Keep(2), Keep(3))),
+            r"operation K0 at position 1 is for block 0, expected block 1",
+        ),
+        (
+            _set("ops", op_list(Keep(0), Keep(1), Keep(2), Keep(3), Keep(4))),
+            r"operation K4 at position 4 is past block 3",
+        ),
+        (
+            _set("ops", op_list(Keep(0), Keep(1), Keep(2))),
+            r"operations cover blocks 0\.\.2 but must cover 0\.\.3; add the missing",
+        ),
+        (
+            _set("ops", op_list(Keep(0), Keep(1), Recompute(2, 5, (Keep(2), Keep(3), Keep(4))))),
+            r"R\[2:5\]\(K2 K3 K4\) at position 2 spans blocks 2\.\.4, expected a non-empty span starting at block 2 and ending by block 3",
+        ),
+        (
+            _set("ops", op_list(Keep(0), Recompute(1, 1, ()), Keep(1), Keep(2), Keep(3))),
+            r"R\[1:1\]\(\) at position 1 spans blocks 1\.\.0",
+        ),
+        (
+            _set("ops", op_list(Recompute(0, 2, (Keep(0), R1)), Keep(2), Keep(3))),
+            r"ends its inner plan with R\[1:2\]\(K1\); the inner plan of a recompute must end with Keep\(1\)",
+        ),
+        (
+            _set("ops", op_list(Recompute(0, 2, ()), Keep(2), Keep(3))),
+            r"R\[0:2\]\(\) at position 0 ends its inner plan with nothing",
+        ),
+        (
+            _set("ops", op_list(Recompute(0, 2, (Keep(1), Keep(1))), Keep(2), Keep(3))),
+            r"inner plan of R\[0:2\]\(K1 K1\): operation K1 at position 0 is for block 1, expected block 0",
+        ),
+        (
+            _set("ops", op_list(Recompute(0, 2, (Keep(0), Keep(1), Keep(2))), Keep(2), Keep(3))),
+            r"inner plan of R\[0:2\]\(K0 K1 K2\): operation K2 at position 2 is past block 1",
+        ),
         # sub-modules outside their block
-        (_set("ops.2.fqns", ["layers.2.attn"]), r"operation S3\{layers\.2\.attn\} at position 2 names 'layers\.2\.attn', which is not inside block 3 \(layers\.3\)"),
+        (
+            _set("ops.2.fqns", ["layers.2.attn"]),
+            r"operation S3\{layers\.2\.attn\} at position 2 names 'layers\.2\.attn', which is not inside block 3 \(layers\.3\)",
+        ),
         (_set("ops.2.fqns", ["layers.3"]), r"names 'layers\.3', which is not inside block 3"),
         (_set("ops.2.fqns", []), r"operation S3\{\} at position 2 names no sub-module of block 3"),
     ],
@@ -186,7 +231,9 @@ def test_not_a_plan_file(text: str, match: str) -> None:
 
 
 def test_another_kind_of_file_is_named_as_such() -> None:
-    profile_like = json.dumps({"schema_version": 1, "model": "GPT", "device": "cpu", "block_profiles": [], "is_chain": True})
+    profile_like = json.dumps(
+        {"schema_version": 1, "model": "GPT", "device": "cpu", "block_profiles": [], "is_chain": True}
+    )
     with pytest.raises(
         RematError,
         match=r"^plan json: missing field 'strategy' and 2 more of the fields a plan has \(it has 'block_profiles', "
@@ -208,7 +255,12 @@ def test_validate_ops_is_the_one_check() -> None:
 def _chain(n: int) -> Chain:
     ones = (1,) * (n + 1)
     return Chain(
-        fwd_ms=(1.0,) * (n + 1), bwd_ms=(1.0,) * (n + 1), x_bytes=ones, keep_bytes=ones, fwd_peak_bytes=ones, bwd_peak_bytes=ones
+        fwd_ms=(1.0,) * (n + 1),
+        bwd_ms=(1.0,) * (n + 1),
+        x_bytes=ones,
+        keep_bytes=ones,
+        fwd_peak_bytes=ones,
+        bwd_peak_bytes=ones,
     )
 
 
@@ -226,11 +278,15 @@ def tiny_net(n: int = 4) -> tuple[TinyNet, torch.Tensor, Callable[[torch.Tensor]
 def test_apply_validates_the_ops_and_leaves_the_model_alone() -> None:
     model = tiny_net()[0]
     bad = Plan("by hand", remat.blocks(model), (Keep(0), Keep(2), Keep(3), Keep(1)))
-    with pytest.raises(RematError, match=r"^apply \(by hand\): plan operation K2 at position 1 is for block 2, expected block 1"):
+    with pytest.raises(
+        RematError, match=r"^apply \(by hand\): plan operation K2 at position 1 is for block 2, expected block 1"
+    ):
         remat.apply(model, bad)
     assert remat.applied(model) is None
     outside = Plan("by hand", remat.blocks(model), (RecomputeSub(0, ("layers.1.fc1",)), Keep(1), Keep(2), Keep(3)))
-    with pytest.raises(RematError, match=r"^apply \(by hand\): plan operation S0\{layers\.1\.fc1\} .* not inside block 0 \(layers\.0\)"):
+    with pytest.raises(
+        RematError, match=r"^apply \(by hand\): plan operation S0\{layers\.1\.fc1\} .* not inside block 0 \(layers\.0\)"
+    ):
         remat.apply(model, outside)
     assert remat.applied(model) is None
 
@@ -281,7 +337,9 @@ def test_plans_written_before_the_run_fingerprint_still_apply() -> None:
     remat.remove(model)
     assert remat.apply(model, legacy) == legacy  # no run part: only the blocks are compared, as before
     other = TinyNet(d=8, n=4)
-    with pytest.raises(PlanMismatchError, match=r"made for blocks with fingerprint [0-9a-f]{16}, but this model's blocks"):
+    with pytest.raises(
+        PlanMismatchError, match=r"made for blocks with fingerprint [0-9a-f]{16}, but this model's blocks"
+    ):
         remat.apply(other, legacy)
 
 
@@ -310,8 +368,12 @@ def test_measure_reports_a_bad_plan_in_one_line(tmp_path: Path, capsys: pytest.C
     plan = remat.apply(four, remat.full())
     bad = tmp_path / "bad.json"
     bad.write_text(edited_plan(plan, ops=op_list(Keep(0), Keep(1), Keep(1), Keep(3))))
-    err = _measure_error(["measure", NET, "--plan", str(bad), "--steps", "1", "--out", str(tmp_path / "m.json")], capsys)
-    assert err.startswith("error: plan json: ops: plan operation K1 at position 2 is for block 1, expected block 2"), err
+    err = _measure_error(
+        ["measure", NET, "--plan", str(bad), "--steps", "1", "--out", str(tmp_path / "m.json")], capsys
+    )
+    assert err.startswith("error: plan json: ops: plan operation K1 at position 2 is for block 1, expected block 2"), (
+        err
+    )
     missing = tmp_path / "missing.json"
     missing.write_text(edited_plan(plan, strategy=None))
     err = _measure_error(["measure", NET, "--plan", str(missing), "--steps", "1"], capsys)

@@ -9,8 +9,8 @@ import pytest
 from rich.console import Console
 
 from remat.blocks import Block, LayerType
+from remat.core.ops import Keep, Op, Recompute, RecomputeSub
 from remat.errors import RematError
-from remat.plan.chain import Keep, Op, Recompute, RecomputeSub
 from remat.plan.types import LEGEND, Fate, Plan, PlanLine, block_fates, ops_from_text
 from remat.report.tables import plan_tree, plans_table, recomputed_cell
 
@@ -51,7 +51,9 @@ def plan(*ops: Op, strategy: str = "optimal", **figures: float) -> Plan:
 # The plan: 3 blocks recomputed, 5 kept with only their attention or MLP recomputed.
 MOSTLY_SUBS = plan(own(0), attn(1), mlp(2), attn(3), attn(4), mlp(5), own(6), own(7))
 # Two segments, a kept block with its MLP recomputed, a block recomputed alone, two kept.
-SEGMENTS = plan(mlp(0), Recompute(1, 3, (Keep(1), Keep(2))), Recompute(3, 5, (Keep(3), Keep(4))), Keep(5), own(6), Keep(7))
+SEGMENTS = plan(
+    mlp(0), Recompute(1, 3, (Keep(1), Keep(2))), Recompute(3, 5, (Keep(3), Keep(4))), Keep(5), own(6), Keep(7)
+)
 # A segment with a nested one, and a segment whose last block has its attention checkpointed again.
 NESTED = plan(
     Recompute(0, 4, (Keep(0), Recompute(1, 3, (Keep(1), Keep(2))), Keep(3))),
@@ -110,9 +112,21 @@ def test_nesting_says_how_often_each_block_runs_again() -> None:
     ("p", "headline", "lines"),
     [
         (plan(*(Keep(i) for i in range(8)), strategy="none"), "8 blocks, all kept (nothing recomputed)", ["kept"]),
-        (plan(*(own(i) for i in range(8)), strategy="full"), "8 blocks, all recomputed, each on its own", ["recomputed, each on its own"]),
-        (plan(*(attn(i) for i in range(8))), "8 blocks, all kept with their attention recomputed", ["kept, attention recomputed"]),
-        (plan(Recompute(0, 8, tuple(Keep(i) for i in range(8)))), "8 blocks, all in 1 recomputed segment", ["recomputed as one segment"]),
+        (
+            plan(*(own(i) for i in range(8)), strategy="full"),
+            "8 blocks, all recomputed, each on its own",
+            ["recomputed, each on its own"],
+        ),
+        (
+            plan(*(attn(i) for i in range(8))),
+            "8 blocks, all kept with their attention recomputed",
+            ["kept, attention recomputed"],
+        ),
+        (
+            plan(Recompute(0, 8, tuple(Keep(i) for i in range(8)))),
+            "8 blocks, all in 1 recomputed segment",
+            ["recomputed as one segment"],
+        ),
     ],
 )
 def test_uniform_plans_are_one_line(p: Plan, headline: str, lines: list[str]) -> None:
@@ -123,7 +137,16 @@ def test_uniform_plans_are_one_line(p: Plan, headline: str, lines: list[str]) ->
 
 def test_fates_of_each_block() -> None:
     fates = block_fates(SEGMENTS.ops)
-    assert [f.fate for f in fates] == [Fate.PART, Fate.SEGMENT, Fate.SEGMENT, Fate.SEGMENT, Fate.SEGMENT, Fate.KEPT, Fate.RECOMPUTED, Fate.KEPT]
+    assert [f.fate for f in fates] == [
+        Fate.PART,
+        Fate.SEGMENT,
+        Fate.SEGMENT,
+        Fate.SEGMENT,
+        Fate.SEGMENT,
+        Fate.KEPT,
+        Fate.RECOMPUTED,
+        Fate.KEPT,
+    ]
     assert fates[0].subs == ("blocks.0.mlp",) and fates[0].times == 0 and fates[6].times == 1
 
 
@@ -142,7 +165,10 @@ def test_explain_and_summary_read_as_words_with_the_compact_form_explained() -> 
     text = p.summary()
     assert text.startswith("plan " + p.explain())
     assert f"compact: {p.describe()}" in text and LEGEND in text  # the notation never appears without its legend
-    assert "predicted peak: 25.0MiB (39% of unplanned 64.0MiB)" in text and "predicted recompute: 40.0ms (+40% of a step)" in text
+    assert (
+        "predicted peak: 25.0MiB (39% of unplanned 64.0MiB)" in text
+        and "predicted recompute: 40.0ms (+40% of a step)" in text
+    )
     assert "checkpointed" not in text
 
 
@@ -152,7 +178,15 @@ def test_the_json_format_is_unchanged() -> None:
     assert "lines" not in p.to_json() and "headline" not in p.to_json()
 
 
-@pytest.mark.parametrize("p", [MOSTLY_SUBS, SEGMENTS, NESTED, plan(RecomputeSub(0, ("blocks.0.attn", "blocks.0.mlp")), *(Keep(i) for i in range(1, 8)))])
+@pytest.mark.parametrize(
+    "p",
+    [
+        MOSTLY_SUBS,
+        SEGMENTS,
+        NESTED,
+        plan(RecomputeSub(0, ("blocks.0.attn", "blocks.0.mlp")), *(Keep(i) for i in range(1, 8))),
+    ],
+)
 def test_the_compact_form_reads_back(p: Plan) -> None:
     assert ops_from_text(p.describe()) == p.ops
 
@@ -171,7 +205,9 @@ def test_bad_compact_text_names_the_position(text: str, message: str) -> None:
 
 
 def test_spans_of_other_names() -> None:
-    groups = tuple(Block(index=i, fqns=(f"layer{i}a", f"layer{i}b"), type_hint=LayerType.OTHER, class_name="X") for i in range(3))
+    groups = tuple(
+        Block(index=i, fqns=(f"layer{i}a", f"layer{i}b"), type_hint=LayerType.OTHER, class_name="X") for i in range(3)
+    )
     p = Plan(strategy="named", blocks=groups, ops=(Recompute(0, 3, (Keep(0), Keep(1), Keep(2))),))
     assert p.span((0, 1, 2)) == "layer0a..layer0b – layer2a..layer2b"
     thirteen = Plan(strategy="none", blocks=blocks(13), ops=tuple(Keep(i) for i in range(13)))
@@ -192,5 +228,9 @@ def test_the_terminal_tree_and_table_use_the_same_words() -> None:
     nested = render(plan_tree(NESTED)).splitlines()
     assert re.search(r"│   ├── blocks\.1–2\s+recomputed twice, as one nested segment", nested[4])
     table = render(plans_table([plan(*(Keep(i) for i in range(8)), strategy="none"), MOSTLY_SUBS, NESTED]))
-    assert re.search(r"none\s+0\s", table) and re.search(r"optimal\s+3 \+ 5 part\s", table) and re.search(r"optimal\s+8\s", table)
+    assert (
+        re.search(r"none\s+0\s", table)
+        and re.search(r"optimal\s+3 \+ 5 part\s", table)
+        and re.search(r"optimal\s+8\s", table)
+    )
     assert "kept with their attention or MLP" in " ".join(table.split())

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import remat
+from remat.core.ops import Recompute
 from remat.errors import BudgetInfeasibleError, RematError
 from remat.models import Workload, workload
-from remat.plan.chain import Recompute
 
 MIB = 2**20
 
@@ -42,7 +42,10 @@ def test_budget_as_share_bytes_and_errors(small_mlp: Workload) -> None:
     share = remat.plan(prof, "60%")
     assert share.budget_bytes == int(0.6 * prof.peak_bytes)
     assert remat.plan(prof, share.budget_bytes).ops == share.ops
-    with pytest.raises(BudgetInfeasibleError, match=r"budget 1B is below the smallest feasible peak [0-9.]+KiB \(optimal: .*\); raise the budget") as err:
+    with pytest.raises(
+        BudgetInfeasibleError,
+        match=r"budget 1B is below the smallest feasible peak [0-9.]+KiB \(optimal: .*\); raise the budget",
+    ) as err:
         remat.plan(prof, "1B")
     assert err.value.budget_bytes == 1 and err.value.min_peak_bytes > 1
     # The smallest feasible peak itself is feasible.

@@ -9,8 +9,9 @@ from collections.abc import Iterable
 import numpy as np
 import pytest
 
+from remat.core.ops import Keep, Op, Recompute, RecomputeSub
 from remat.errors import RematError
-from remat.plan.chain import Chain, Keep, Op, Recompute, RecomputeSub
+from remat.plan.chain import Chain
 from remat.plan.solver import Simulation, all_plans, min_peak, min_peak_plan, simulate, solve
 
 # ------------------------------------------------------------------------------------------------
@@ -360,7 +361,11 @@ def test_program_value_is_the_simulated_time() -> None:
             chain = random_chain(rng, n, hi=10**6)
             headroom = (min_peak(chain) - chain.base_bytes) * 3 // 2
             table = solver._fill(
-                chain, unit_bytes=max(1, -(-headroom // 100)), top_units=100, nested=nested, variants=solver._variants(chain, None)
+                chain,
+                unit_bytes=max(1, -(-headroom // 100)),
+                top_units=100,
+                nested=nested,
+                variants=solver._variants(chain, None),
             )
             value = table.opt[0, n, 100]
             if math.isfinite(value):
@@ -409,7 +414,10 @@ def test_solve_with_keep_variants_matches_brute_force(seed: int, nested: bool) -
         for ops in all_plans(n, nested=nested, subs=groups)
     ]
     lowest = min(p for p, _ in plans)
-    assert min_peak(chain, nested=nested, sub_costs=subs) == simulate(chain, min_peak_plan(chain, nested=nested, sub_costs=subs), subs).peak_bytes
+    assert (
+        min_peak(chain, nested=nested, sub_costs=subs)
+        == simulate(chain, min_peak_plan(chain, nested=nested, sub_costs=subs), subs).peak_bytes
+    )
     for headroom in budgets(p for p, _ in plans):
         ops = solve(chain, headroom, nested=nested, sub_costs=subs)
         fitting = [ms for p, ms in plans if p <= headroom]
@@ -421,7 +429,9 @@ def test_solve_with_keep_variants_matches_brute_force(seed: int, nested: bool) -
         assert simulate(chain, ops, subs).total_ms == pytest.approx(min(fitting), rel=1e-12, abs=1e-12)
 
 
-def chain_peak_subs(chain: Chain, ops: tuple[Op, ...], subs: dict[tuple[int, tuple[str, ...]], tuple[int, float]]) -> int:
+def chain_peak_subs(
+    chain: Chain, ops: tuple[Op, ...], subs: dict[tuple[int, tuple[str, ...]], tuple[int, float]]
+) -> int:
     zeroed = dataclasses.replace(chain, base_bytes=0, pre_peak_bytes=0, tail_peak_bytes=0)
     return simulate(zeroed, ops, subs).peak_bytes
 
@@ -433,8 +443,12 @@ def test_keep_variants_can_beat_whole_block_plans() -> None:
     # Variant S0: S' = 20, fp' = 100, bp' = 20 + 80; fwd 100, L=20; K1 70, L=70; bwd 80, L=20; bwd S0
     # 20+100 = 120 (+1 ms). So between 120 and 130 only the variant fits, and at 130 it is faster.
     chain = Chain(
-        fwd_ms=(10.0, 5.0, 0.0), bwd_ms=(10.0, 5.0, 0.0), x_bytes=(10, 10, 10), keep_bytes=(100, 50, 0),
-        fwd_peak_bytes=(100, 50, 0), bwd_peak_bytes=(20, 10, 0),
+        fwd_ms=(10.0, 5.0, 0.0),
+        bwd_ms=(10.0, 5.0, 0.0),
+        x_bytes=(10, 10, 10),
+        keep_bytes=(100, 50, 0),
+        fwd_peak_bytes=(100, 50, 0),
+        bwd_peak_bytes=(20, 10, 0),
     )
     subs = {(0, ("0.attn",)): (80, 1.0)}
     variant = (RecomputeSub(0, ("0.attn",)), Keep(1))
@@ -545,7 +559,11 @@ def test_program_value_with_gradients_is_the_simulated_time() -> None:
             chain = with_grads(rng, random_chain(rng, n, hi=10**6), 10**6)
             headroom = (min_peak(chain) - chain.base_bytes) * 3 // 2
             table = solver._fill(
-                chain, unit_bytes=max(1, -(-headroom // 100)), top_units=100, nested=nested, variants=solver._variants(chain, None)
+                chain,
+                unit_bytes=max(1, -(-headroom // 100)),
+                top_units=100,
+                nested=nested,
+                variants=solver._variants(chain, None),
             )
             value = table.opt[0, n, 100]
             if math.isfinite(value):

@@ -8,8 +8,8 @@ import pytest
 
 import remat
 from remat.blocks import Block, LayerType
+from remat.core.ops import Keep, Recompute, RecomputeSub
 from remat.errors import RematError
-from remat.plan.chain import Keep, Recompute, RecomputeSub
 from remat.plan.strategies import STRATEGIES, parse_strategy
 from remat.profile.types import BlockProfile, Profile
 
@@ -34,15 +34,35 @@ def fake_profile(saved: list[int], fwd_ms: list[float]) -> Profile:
     n = len(saved)
     bps = tuple(
         BlockProfile(
-            input_bytes=10, output_bytes=10, saved_bytes=s, keep_bytes=s + 10, fwd_peak_bytes=s + 10,
-            bwd_peak_bytes=s, fwd_ms=f, bwd_ms=2 * f, fwd_flops=0, bwd_flops=0,
+            input_bytes=10,
+            output_bytes=10,
+            saved_bytes=s,
+            keep_bytes=s + 10,
+            fwd_peak_bytes=s + 10,
+            bwd_peak_bytes=s,
+            fwd_ms=f,
+            bwd_ms=2 * f,
+            fwd_flops=0,
+            bwd_flops=0,
         )
         for s, f in zip(saved, fwd_ms)
     )
     return Profile(
-        model="M", device="cpu", blocks=fake_blocks(n), block_profiles=bps, fingerprint="x", is_chain=True,
-        held_bytes=0, peak_bytes=sum(saved), step_ms=1.0, base_bytes=10, pre_peak_bytes=10, head_input_bytes=10,
-        head_peak_bytes=10, head_ms=0.1, tail_peak_bytes=0,
+        model="M",
+        device="cpu",
+        blocks=fake_blocks(n),
+        block_profiles=bps,
+        fingerprint="x",
+        is_chain=True,
+        held_bytes=0,
+        peak_bytes=sum(saved),
+        step_ms=1.0,
+        base_bytes=10,
+        pre_peak_bytes=10,
+        head_input_bytes=10,
+        head_peak_bytes=10,
+        head_ms=0.1,
+        tail_peak_bytes=0,
     )
 
 
@@ -87,7 +107,10 @@ def test_attention_and_ffn_only() -> None:
     mixed = fake_blocks(4, mixed=True)
     assert remat.attention_only().ops(mixed) == tuple(RecomputeSub(i, (f"layers.{i}.attn",)) for i in range(4))
     assert remat.ffn_only(min_interval=2).ops(mixed) == (
-        RecomputeSub(0, ("layers.0.mlp",)), Keep(1), RecomputeSub(2, ("layers.2.mlp",)), Keep(3)
+        RecomputeSub(0, ("layers.0.mlp",)),
+        Keep(1),
+        RecomputeSub(2, ("layers.2.mlp",)),
+        Keep(3),
     )
 
 
@@ -177,5 +200,7 @@ def test_attention_or_ffn_strategy_that_finds_nothing_says_so() -> None:
 
     model = nn.Sequential(*[nn.Sequential(nn.Conv2d(4, 4, 3), nn.ReLU()) for _ in range(3)])
     blocks = remat.blocks(model)
-    with pytest.raises(RematError, match=r"strategy attention_only: found no attention block or sub-module in the 3 blocks"):
+    with pytest.raises(
+        RematError, match=r"strategy attention_only: found no attention block or sub-module in the 3 blocks"
+    ):
         remat.apply(model, remat.attention_only(), blocks=blocks)

@@ -9,6 +9,7 @@ from torch import nn
 import remat
 from remat.errors import BlockSelectionError, RematError
 from remat.models import Workload
+from remat.plan.chain import chain_of
 from remat.plan.solver import simulate
 from remat.profile import Profile
 
@@ -27,7 +28,12 @@ def test_sizes_match_what_autograd_must_save() -> None:
     first, second = prof.block_profiles
     assert (first.input_bytes, first.output_bytes, first.saved_bytes, first.output_saved_bytes) == (128, 512, 640, 512)
     # Block 2 saves its input (512, the same storage as block 1's output) and its ReLU output (4*8*4).
-    assert (second.input_bytes, second.output_bytes, second.saved_bytes, second.output_saved_bytes) == (512, 128, 640, 128)
+    assert (second.input_bytes, second.output_bytes, second.saved_bytes, second.output_saved_bytes) == (
+        512,
+        128,
+        640,
+        128,
+    )
     assert first.fwd_flops == 2 * 4 * 8 * 32 and second.fwd_flops == 2 * 4 * 32 * 8
     assert first.bwd_flops == 2 * 4 * 8 * 32  # weight grad only: the input needs no grad
     assert second.bwd_flops == 2 * (2 * 4 * 32 * 8)  # input and weight grads
@@ -39,7 +45,7 @@ def test_profile_peak_is_the_measured_plain_peak_and_the_model_reproduces_it(sma
     prof = remat.profile(w.model, w.inputs, w.loss_fn, repeats=1)
     measured = remat.measure(w.model, w.inputs, w.loss_fn, steps=1)
     assert prof.peak_bytes == measured.peak_bytes
-    predicted = simulate(prof.chain(), remat.plan(prof, strategy=remat.none()).ops).peak_bytes
+    predicted = simulate(chain_of(prof), remat.plan(prof, strategy=remat.none()).ops).peak_bytes
     assert abs(predicted - prof.peak_bytes) <= 0.02 * prof.peak_bytes
     assert prof.held_bytes == measured.held_bytes > 0
     assert all(bp.fwd_ms > 0 and bp.bwd_ms > 0 and bp.fwd_flops > 0 for bp in prof.block_profiles)

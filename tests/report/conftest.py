@@ -12,7 +12,9 @@ from remat.measure.compare import compare
 from remat.models import workload
 
 SIZES = dict(n_layers=3, d_model=32, n_heads=2, seq_len=16, batch=2, vocab_size=64)
-BUDGET = "90%"  # the smallest feasible peak of this tiny GPT is about 80% of its plain peak (gradients made in the backward)
+BUDGET = (
+    "90%"  # the smallest feasible peak of this tiny GPT is about 80% of its plain peak (gradients made in the backward)
+)
 
 
 @pytest.fixture(scope="session")
@@ -28,4 +30,10 @@ def run() -> dict[str, Any]:
         remat.apply(w.model, p)
         timelines.append(remat.timeline(w.model, w.inputs, w.loss_fn))
         remat.remove(w.model)
-    return {"profile": prof, "plan": chosen, "result": result, "frontier": remat.frontier(prof, points=6), "timelines": timelines}
+    return {
+        "profile": prof,
+        "plan": chosen,
+        "result": result,
+        "frontier": remat.frontier(prof, points=6),
+        "timelines": timelines,
+    }

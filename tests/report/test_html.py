@@ -26,7 +26,10 @@ IMG = re.compile(r'<img [^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
 def decoded_pngs(text: str) -> list[np.ndarray]:
     import matplotlib.image
 
-    return [np.asarray(matplotlib.image.imread(io.BytesIO(base64.b64decode(data)), format="png")) for data in IMG.findall(text)]
+    return [
+        np.asarray(matplotlib.image.imread(io.BytesIO(base64.b64decode(data)), format="png"))
+        for data in IMG.findall(text)
+    ]
 
 
 def test_report_embeds_every_chart_and_the_tables(run: dict[str, Any], tmp_path: Path) -> None:
@@ -71,7 +74,15 @@ def test_report_opens_with_a_verdict_and_says_the_plan_in_words(run: dict[str, A
     assert re.search(r'<tr class="chosen">(<td[^>]*>[^<]*</td>){3}<td>the chosen plan: ', frontier)
 
 
-def _row(label: str, peak_mib: float, step_ms: float, spread: float | None, *, budget_mib: float | None = None, equal: bool = True) -> BenchRow:
+def _row(
+    label: str,
+    peak_mib: float,
+    step_ms: float,
+    spread: float | None,
+    *,
+    budget_mib: float | None = None,
+    equal: bool = True,
+) -> BenchRow:
     base_peak, base_ms = 64.0, 100.0
     return BenchRow(
         label=label, checkpointed=0 if label == "none" else 3, n_blocks=4, depth=0 if label == "none" else 1,
@@ -101,7 +112,9 @@ def _row(label: str, peak_mib: float, step_ms: float, spread: float | None, *, b
 def test_the_verdict_claims_a_time_cost_only_beyond_the_spread(
     run: dict[str, Any], plain_spread: float | None, chosen: BenchRow, expected: str
 ) -> None:
-    result = BenchResult(model="m", device="cpu", held_bytes=0, rounds=5, rows=(_row("none", 64.0, 100.0, plain_spread), chosen))
+    result = BenchResult(
+        model="m", device="cpu", held_bytes=0, rounds=5, rows=(_row("none", 64.0, 100.0, plain_spread), chosen)
+    )
     plan = Plan(strategy="optimal", blocks=run["plan"].blocks, ops=run["plan"].ops)
     assert verdict(plan, result, run["profile"]) == expected
 

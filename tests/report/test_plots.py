@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import remat
+from remat.core.ops import Keep, Recompute, RecomputeSub
 from remat.errors import MissingExtraError, RematError
 from remat.models import workload
-from remat.plan.chain import Keep, Recompute, RecomputeSub
 from remat.plan.types import Plan
 from remat.report import plot_comparison, plot_heatmap, plot_timelines, plot_tradeoff, write_bench_plots
 from remat.report.plots import block_decisions, bytes_unit, time_unit
@@ -76,7 +76,9 @@ def test_bench_plots(run: dict[str, Any], tmp_path: Path) -> None:
         assert_png_has_content(p)
 
 
-def test_missing_matplotlib_is_a_clear_error(run: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_matplotlib_is_a_clear_error(
+    run: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
@@ -103,7 +105,11 @@ def test_decisions_show_nesting_and_sub_modules() -> None:
         "in a recomputed segment",
         "kept, attention recomputed",
     ]
-    single = Plan(strategy="mixed", blocks=blocks, ops=(Recompute(0, 1, (Keep(0),)), Keep(1), RecomputeSub(2, blocks[2].ffn_fqns), Keep(3)))
+    single = Plan(
+        strategy="mixed",
+        blocks=blocks,
+        ops=(Recompute(0, 1, (Keep(0),)), Keep(1), RecomputeSub(2, blocks[2].ffn_fqns), Keep(3)),
+    )
     assert block_decisions(single) == ["recomputed", "kept", "kept, MLP recomputed", "kept"]
 
 

@@ -12,8 +12,13 @@ from remat.units import format_bytes, format_ms
 def test_profile_summary_names_the_model_its_blocks_and_the_largest(run: dict[str, Any]) -> None:
     prof: Profile = run["profile"]
     lines = prof.summary().splitlines()
-    assert lines[0] == f"{prof.model} on {prof.device}: {len(prof.blocks)} blocks ({prof.blocks[0].name} to {prof.blocks[-1].name})"
-    assert f"plain step: peak {format_bytes(prof.peak_bytes)} above the {format_bytes(prof.held_bytes)} held" in lines[1]
+    assert (
+        lines[0]
+        == f"{prof.model} on {prof.device}: {len(prof.blocks)} blocks ({prof.blocks[0].name} to {prof.blocks[-1].name})"
+    )
+    assert (
+        f"plain step: peak {format_bytes(prof.peak_bytes)} above the {format_bytes(prof.held_bytes)} held" in lines[1]
+    )
     assert lines[1].endswith(format_ms(prof.step_ms))
     largest = max(zip(prof.blocks, prof.block_profiles), key=lambda b: b[1].saved_bytes)
     assert f"the most: {largest[0].name} {format_bytes(largest[1].saved_bytes)}" in lines[2]

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import remat
+from remat.core.ops import Keep, Recompute
 from remat.errors import RematError
 from remat.measure.timeline import Interval, Phase, Timeline
 from remat.models import Workload, workload
-from remat.plan.chain import Keep, Recompute
 from remat.plan.types import Plan
 
 

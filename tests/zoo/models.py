@@ -802,7 +802,9 @@ class ZooRun:
         if name not in self._profiles:
             case = self.builders[name]()
             try:
-                self._profiles[name] = remat.profile(case.model, case.inputs, case.loss_fn, repeats=self.repeats, grads=self.grads)
+                self._profiles[name] = remat.profile(
+                    case.model, case.inputs, case.loss_fn, repeats=self.repeats, grads=self.grads
+                )
             except Exception as e:  # recorded: a RematError refuses the cells that need a profile
                 self._profiles[name] = e
         return self._profiles[name]

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from remat.apply.runtime import install, run_function, uninstall
 from remat.blocks import Block, fingerprint, resolve
 from remat.blocks import blocks as find_blocks
-from remat.distributed import unwrap
+from remat.core.ops import validate_ops
+from remat.core.runtime import attach, attached, detach, run_function
+from remat.core.wrapped import unwrap
 from remat.errors import BlockSelectionError, PlanMismatchError, RematError
-from remat.plan.chain import validate_ops
 from remat.plan.strategies import Strategy, _Named
 from remat.plan.types import Plan
 
@@ -21,10 +20,6 @@ if TYPE_CHECKING:
     from remat.profile.types import Profile
 
 __all__ = ["apply", "remove", "applied", "checkpoint", "CheckpointedSequential", "to_plan"]
-
-# The plan applied to a model, and the modules it touched, live on the model itself (a plain attribute,
-# not in the state_dict), so they travel with copy.deepcopy and pickling.
-_APPLIED_ATTR = "_remat_applied"
 
 
 def to_plan(
@@ -59,7 +54,9 @@ def to_plan(
 
         return plan_from_ops(profile, strategy.ops(block_list, profile), strategy.label)
     fp = fingerprint(model, block_list) if model is not None else None
-    return Plan(strategy=strategy.label, blocks=tuple(block_list), ops=strategy.ops(block_list, profile), fingerprint=fp)
+    return Plan(
+        strategy=strategy.label, blocks=tuple(block_list), ops=strategy.ops(block_list, profile), fingerprint=fp
+    )
 
 
 def apply(
@@ -74,7 +71,7 @@ def apply(
 
     Each recomputed segment drops what autograd saves inside its blocks and, in the backward, replays
     the calls the model made to them (RNG, autocast and buffer state restored per call, nested for
-    nested plans; NOTE [ Spans ] in ``remat.apply.runtime``). Every block still runs when the model
+    nested plans; NOTE [ Spans ] in ``remat.core.runtime``). Every block still runs when the model
     calls it and returns its real output, whatever the calling pattern. Parameters, their identity and
     ``state_dict`` keys are unchanged. Applying again replaces the previous plan; :func:`remove`
     restores the model exactly.
@@ -100,13 +97,17 @@ def apply(
     if isinstance(plan, Strategy):
         plan = to_plan(plan, model, blocks=blocks, profile=profile)
     elif not isinstance(plan, Plan):
-        raise RematError(f"apply: expected a Plan or a strategy, got {type(plan).__name__}; see remat.plan or remat.full()")
-    validate_ops(plan.ops, len(plan.blocks), block_fqns=[b.fqns for b in plan.blocks], source=f"apply ({plan.strategy})")
+        raise RematError(
+            f"apply: expected a Plan or a strategy, got {type(plan).__name__}; see remat.plan or remat.full()"
+        )
+    validate_ops(
+        plan.ops, len(plan.blocks), block_fqns=[b.fqns for b in plan.blocks], source=f"apply ({plan.strategy})"
+    )
     try:
         members = resolve(model, plan.blocks)
     except BlockSelectionError as e:
         if unwrap(model) is not model:
-            # A plan made on the model a DDP wrapper holds (NOTE [ Wrapped models ] in remat.distributed).
+            # A plan made on the model a DDP wrapper holds (NOTE [ Wrapped models ] in remat.core.wrapped).
             return apply(unwrap(model), plan, allow_stateful=allow_stateful)
         raise PlanMismatchError(f"apply: the plan ({plan.strategy}) does not fit this model: {e}") from None
     if plan.fingerprint is not None:
@@ -130,16 +131,8 @@ def apply(
                 f"{plan.blocks[-1].name}) of a model with a different number of such modules; {found}; a plan "
                 "must cover the blocks of the model it was made for, not part of them: profile and plan this model again"
             )
-    remove(model)
-    touched = install(model, plan.ops, members, [b.fqns for b in plan.blocks], allow_stateful=allow_stateful)
-    model.__dict__[_APPLIED_ATTR] = (plan, touched, allow_stateful)
+    attach(model, plan, plan.ops, members, [b.fqns for b in plan.blocks], allow_stateful=allow_stateful)
     return plan
-
-
-def _holder(model: nn.Module) -> nn.Module:
-    # The module whose __dict__ holds the applied plan: a DDP wrapper's module when the plan was made
-    # on the unwrapped model (NOTE [ Wrapped models ] in remat.distributed).
-    return model if _APPLIED_ATTR in model.__dict__ else unwrap(model)
 
 
 def remove(model: nn.Module) -> Plan | None:
@@ -148,30 +141,13 @@ def remove(model: nn.Module) -> Plan | None:
     Returns:
         The plan that was removed, or ``None`` if none was applied.
     """
-    entry = _holder(model).__dict__.pop(_APPLIED_ATTR, None)
-    if entry is None:
-        return None
-    uninstall(entry[1])
-    return entry[0]
+    return detach(model)
 
 
 def applied(model: nn.Module) -> Plan | None:
     """The plan currently applied to ``model`` (or to the module a DDP wrapper holds), if any."""
-    entry = _holder(model).__dict__.get(_APPLIED_ATTR)
-    return entry[0] if entry else None
-
-
-@contextlib.contextmanager
-def _suspended(model: nn.Module) -> Iterator[Plan | None]:
-    """Temporarily remove an applied plan (e.g. to profile the plain model), then put it back."""
-    entry = _holder(model).__dict__.get(_APPLIED_ATTR)
-    allow_stateful = bool(entry[2]) if entry is not None and len(entry) > 2 else False
-    plan = remove(model)
-    try:
-        yield plan
-    finally:
-        if plan is not None:
-            apply(model, plan, allow_stateful=allow_stateful)
+    entry = attached(model)
+    return entry.tag if entry is not None else None
 
 
 def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -180,7 +156,7 @@ def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
     Buffers that ``fn`` updates in place (BatchNorm running statistics) end as in a plain call when
     ``fn`` is a module, a bound method of one, or a function that closes over the modules it uses
-    (NOTE [ State under recomputation ] in ``remat.apply.runtime``). The function-level form of the
+    (NOTE [ State under recomputation ] in ``remat.core.runtime``). The function-level form of the
     toolkit seed's ``checkpoint(fn, x)``.
     """
     return run_function(fn, args, kwargs)
@@ -198,9 +174,10 @@ class CheckpointedSequential(nn.Sequential):
     def __init__(self, *layers: nn.Module, segments: int = 2) -> None:
         super().__init__(*layers)
         if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= max(1, len(layers)):
-            raise RematError(f"CheckpointedSequential: segments={segments!r} must be in 1..{len(layers)} (the number of layers)")
+            raise RematError(
+                f"CheckpointedSequential: segments={segments!r} must be in 1..{len(layers)} (the number of layers)"
+            )
         self.segments = segments
         from remat.plan.strategies import segments as seg
 
         apply(self, seg(segments), blocks=find_blocks(self, named=[[n] for n, _ in self.named_children()]))
-

@@ -23,8 +23,8 @@ from rich.console import Console
 
 from remat._json import write_atomic
 from remat.blocks import blocks as find_blocks
+from remat.core.trace import Grads
 from remat.errors import RematError
-from remat.measure.trace import Grads
 from remat.models import WORKLOADS, Workload, workload
 from remat.plan.strategies import STRATEGIES, Strategy, parse_strategy
 from remat.plan.types import Plan
@@ -58,7 +58,9 @@ def models_help() -> str:
             if p.default is not inspect.Parameter.empty and k not in _NOT_SETTABLE
         ]
         head = f"  {name}{' (default)' if name == DEFAULT_MODEL else ''}: "
-        lines += [(head if i == 0 else " " * len(head)) + line for i, line in enumerate(_wrap(keys, 90 - len(head), " "))]
+        lines += [
+            (head if i == 0 else " " * len(head)) + line for i, line in enumerate(_wrap(keys, 90 - len(head), " "))
+        ]
     lines.append("  or module:function / path/to/file.py:function returning a Workload or (model, inputs, loss_fn)")
     return "\n".join(lines)
 
@@ -121,12 +123,20 @@ def add_model_args(parser: ArgumentParser, *, default: str | None = DEFAULT_MODE
 
 
 # The optimizers --optimizer names, built on the model's parameters by the measuring functions.
-OPTIMIZERS: dict[str, Any] = {"none": None, "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+OPTIMIZERS: dict[str, Any] = {
+    "none": None,
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+}
 
 
 def loop_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ``grads=`` and ``optimizer=`` keywords of profile / measure / timeline / bench for ``args``."""
-    return {"grads": getattr(args, "grads", Grads.NONE.value), "optimizer": OPTIMIZERS[getattr(args, "optimizer", "none")]}
+    return {
+        "grads": getattr(args, "grads", Grads.NONE.value),
+        "optimizer": OPTIMIZERS[getattr(args, "optimizer", "none")],
+    }
 
 
 def _parse_sizes(items: list[str]) -> dict[str, Any]:
@@ -238,7 +248,9 @@ def _kind_of(text: str) -> str | None:
 
 def _check_kind(option: str, path: Path, kind: str | None, want: str, fix: str) -> None:
     if kind is not None and kind != want:
-        raise RematError(f"{option} {str(path)!r}: this is a {kind} file (from `{_WRITERS[kind]}`), not a {want}; {fix}")
+        raise RematError(
+            f"{option} {str(path)!r}: this is a {kind} file (from `{_WRITERS[kind]}`), not a {want}; {fix}"
+        )
 
 
 def read_plan(path: Path) -> Plan:
@@ -318,7 +330,9 @@ def check_model(spec: str, size_items: list[str]) -> None:
         accepted = [k for k in inspect.signature(factory).parameters if k not in _NOT_SETTABLE]
         unknown = sorted(set(sizes) - set(accepted))
         if unknown:
-            raise RematError(f"--set: model {spec!r} has no size {', '.join(map(repr, unknown))}; its keys are {', '.join(accepted)}")
+            raise RematError(
+                f"--set: model {spec!r} has no size {', '.join(map(repr, unknown))}; its keys are {', '.join(accepted)}"
+            )
         return
     target, fn_name = _split_spec(spec)
     if _is_path(target):
@@ -355,7 +369,9 @@ def _factory_module(spec: str, target: str, fn_name: str) -> ModuleType:
             loader_spec.loader.exec_module(module)
         except Exception as e:
             del sys.modules[name]
-            raise RematError(f"model: loading {target!r} raised {type(e).__name__}: {e}; fix that file (-v for the traceback)") from e
+            raise RematError(
+                f"model: loading {target!r} raised {type(e).__name__}: {e}; fix that file (-v for the traceback)"
+            ) from e
         return module
     _search_cwd()
     try:
@@ -363,9 +379,13 @@ def _factory_module(spec: str, target: str, fn_name: str) -> ModuleType:
     except ModuleNotFoundError as e:
         if e.name is not None and (target == e.name or target.startswith(e.name + ".")):
             raise _no_module(spec, target, fn_name) from None
-        raise RematError(f"model: importing {target!r} failed: {e}; install {e.name!r} or fix {target}'s imports") from e
+        raise RematError(
+            f"model: importing {target!r} failed: {e}; install {e.name!r} or fix {target}'s imports"
+        ) from e
     except Exception as e:  # the user's module itself failed while importing
-        raise RematError(f"model: importing {target!r} raised {type(e).__name__}: {e}; fix that module (-v for the traceback)") from e
+        raise RematError(
+            f"model: importing {target!r} raised {type(e).__name__}: {e}; fix that module (-v for the traceback)"
+        ) from e
 
 
 def load_workload(spec: str, size_items: list[str]) -> Workload:
@@ -395,10 +415,14 @@ def load_workload(spec: str, size_items: list[str]) -> Workload:
     try:
         result = fn(**sizes)
     except Exception as e:  # the user's own factory failed: say so in one line
-        raise RematError(f"model: {spec}({', '.join(f'{k}={v!r}' for k, v in sizes.items())}) raised {type(e).__name__}: {e}") from e
+        raise RematError(
+            f"model: {spec}({', '.join(f'{k}={v!r}' for k, v in sizes.items())}) raised {type(e).__name__}: {e}"
+        ) from e
     if isinstance(result, Workload):
         return result
     if isinstance(result, tuple) and len(result) == 3:
         model, inputs, loss_fn = result
         return Workload(name=spec, model=model, inputs=inputs, loss_fn=loss_fn, description=spec)
-    raise RematError(f"model: {spec} returned {type(result).__name__}; return a remat.models.Workload or (model, inputs, loss_fn)")
+    raise RematError(
+        f"model: {spec} returned {type(result).__name__}; return a remat.models.Workload or (model, inputs, loss_fn)"
+    )

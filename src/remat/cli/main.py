@@ -38,7 +38,9 @@ _VALUE_OPTIONS = frozenset({"--budget", "--rounds", "--steps", "--repeats"})
 
 
 def _add_verbose(parser: argparse.ArgumentParser, default: object) -> None:
-    parser.add_argument("-v", "--verbose", action="store_true", default=default, help="log what remat does; tracebacks of failures")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", default=default, help="log what remat does; tracebacks of failures"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # the model itself failed (or remat did): one line, the traceback with -v
         if args.verbose:
             raise
-        err_console.print(f"error: {type(e).__name__}: {e} (run with -v for the traceback)", markup=False, soft_wrap=True)
+        err_console.print(
+            f"error: {type(e).__name__}: {e} (run with -v for the traceback)", markup=False, soft_wrap=True
+        )
         return 1
 
 

@@ -26,9 +26,13 @@ HELP = "apply a plan (plan.json) to the model and measure real training steps ag
 def add_parser(p: argparse.ArgumentParser) -> None:
     """Arguments of ``remat measure``."""
     add_model_args(p)
-    p.add_argument("--plan", type=Path, default=None, help="plan.json from `remat plan` (default: measure the plain model)")
+    p.add_argument(
+        "--plan", type=Path, default=None, help="plan.json from `remat plan` (default: measure the plain model)"
+    )
     p.add_argument("--steps", type=int, default=5, help="timed steps (median), default 5")
-    p.add_argument("--out", type=Path, default=Path("measure.json"), help="where to write the figures (default measure.json)")
+    p.add_argument(
+        "--out", type=Path, default=Path("measure.json"), help="where to write the figures (default measure.json)"
+    )
 
 
 def check(args: argparse.Namespace) -> None:
@@ -66,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
         )
         console.print(f"forward runs per block: {result.forward_counts}")
     if plan is None:
-        console.print(f"plain: peak {format_bytes(plain.peak_bytes)} above {format_bytes(plain.held_bytes)} held; step {format_ms(plain.step_ms)}")
+        console.print(
+            f"plain: peak {format_bytes(plain.peak_bytes)} above {format_bytes(plain.held_bytes)} held; step {format_ms(plain.step_ms)}"
+        )
     write_file(args.out, result.to_json())
     console.print(f"wrote {args.out}")
     return 0

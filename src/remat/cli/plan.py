@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     console.print(plan_tree(chosen))
     console.print(plans_table([make_plan(prof, strategy=none()), make_plan(prof, strategy=full()), chosen]))
     write_file(args.out, chosen.to_json())
-    again = shlex.join(["remat", "measure", args.model, *(f"--set={item}" for item in args.sizes), "--plan", str(args.out)])
+    again = shlex.join(
+        ["remat", "measure", args.model, *(f"--set={item}" for item in args.sizes), "--plan", str(args.out)]
+    )
     console.print(f"wrote {args.out}; measure it with: {again}", highlight=False)
     return 0

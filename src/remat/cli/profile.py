@@ -24,7 +24,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     """Arguments of ``remat profile``."""
     add_model_args(p)
     p.add_argument("--repeats", type=int, default=5, help="timed steps per block (median), default 5")
-    p.add_argument("--out", type=Path, default=Path("profile.json"), help="where to write the profile (default profile.json)")
+    p.add_argument(
+        "--out", type=Path, default=Path("profile.json"), help="where to write the profile (default profile.json)"
+    )
 
 
 def check(args: argparse.Namespace) -> None:

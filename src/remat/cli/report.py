@@ -36,13 +36,25 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     """Arguments of ``remat report``."""
     add_model_args(p)
     p.add_argument("--budget", required=True, help="bytes ('1.5GiB') or share of the unplanned peak ('40%%')")
-    p.add_argument("--out", type=Path, default=Path("remat-report"), help="directory to write into (default remat-report/)")
+    p.add_argument(
+        "--out", type=Path, default=Path("remat-report"), help="directory to write into (default remat-report/)"
+    )
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds of the bench (default 5)")
 
 
 def _command(args: argparse.Namespace) -> str:
     """The command line, rebuilt from the parsed arguments (``sys.argv`` is not ours when called as a function)."""
-    words = ["remat", "report", args.model, "--budget", args.budget, "--out", str(args.out), "--rounds", str(args.rounds)]
+    words = [
+        "remat",
+        "report",
+        args.model,
+        "--budget",
+        args.budget,
+        "--out",
+        str(args.out),
+        "--rounds",
+        str(args.rounds),
+    ]
     for item in args.sizes:
         words += ["--set", item]
     return shlex.join(words)
@@ -81,7 +93,14 @@ def run(args: argparse.Namespace) -> int:
             bar.update(task, advance=1, description=label)
 
         result = compare(
-            w.model, w.inputs, w.loss_fn, plans, rounds=args.rounds, description=w.description, progress=tick, **loop_options(args)
+            w.model,
+            w.inputs,
+            w.loss_fn,
+            plans,
+            rounds=args.rounds,
+            description=w.description,
+            progress=tick,
+            **loop_options(args),
         )
         timelines: list[Timeline] = []
         for p in recorded:

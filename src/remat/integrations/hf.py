@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from remat.apply import apply, remove
-from remat.distributed import unwrap
+from remat.core.trace import device_of
+from remat.core.wrapped import unwrap
 from remat.errors import MissingExtraError, RematError
-from remat.measure.trace import device_of
 from remat.plan import Plan, plan
 from remat.profile import profile
 from remat.units import Budget
@@ -69,7 +69,7 @@ def enable(
     fastest plan whose predicted peak fits the budget (``remat.profile``, ``remat.plan``,
     ``remat.apply``). The profile runs in training mode (dropout on, as the Trainer trains) and leaves
     the model as it was. Under a ``torch.distributed`` process group every rank must call it, and all
-    apply rank 0's plan (NOTE [ One plan for every rank ] in ``remat.distributed``). A
+    apply rank 0's plan (NOTE [ One plan for every rank ] in ``remat.plan.ranks``). A
     ``DistributedDataParallel`` wrapper's ``.module`` is profiled, so that its gradient buckets are not
     counted as activations (NOTE [ Wrapped models ]).
 

@@ -14,11 +14,10 @@ from torch.utils._pytree import tree_leaves
 from remat._json import Reader, read
 from remat._progress import progress as show_progress
 from remat.apply import applied, apply, remove
-from remat.apply.runtime import count_forwards
 from remat.blocks import Block, resolve
 from remat.blocks import blocks as find_blocks
-from remat.errors import BlockSelectionError, RematError
-from remat.measure.trace import (
+from remat.core.runtime import count_forwards
+from remat.core.trace import (
     Grads,
     Loop,
     MemoryTrace,
@@ -31,6 +30,7 @@ from remat.measure.trace import (
     timed_steps,
     train_step,
 )
+from remat.errors import BlockSelectionError, RematError
 from remat.plan.strategies import Strategy
 from remat.plan.types import Plan
 
@@ -40,7 +40,7 @@ __all__ = ["Measurement", "GradientCheck", "measure", "check_gradients", "Memory
 @dataclass(frozen=True)
 class Measurement:
     """What an iteration of the training loop really cost (see NOTE [ What a step's peak means ] in
-    ``remat.measure.trace``).
+    ``remat.core.trace``).
 
     Attributes:
         peak_bytes: Peak of an iteration above the memory held before it, bytes (``loop.describe()``
@@ -77,7 +77,13 @@ class Measurement:
         Raises:
             RematError: If the text is not a measurement of this schema version, or lacks or mistypes a field.
         """
-        return read(cls, text, Reader("measure", "measure again with remat.measure(...).to_json() or `remat measure MODEL --out measure.json`"))
+        return read(
+            cls,
+            text,
+            Reader(
+                "measure", "measure again with remat.measure(...).to_json() or `remat measure MODEL --out measure.json`"
+            ),
+        )
 
 
 def _count_blocks(model: nn.Module, blocks: Sequence[Block] | None) -> tuple[Block, ...]:

@@ -28,11 +28,9 @@ import torch
 from torch import nn
 
 from remat.apply import apply, remove
-from remat.apply.runtime import count_forwards
 from remat.blocks import resolve
-from remat.errors import RematError
-from remat.measure import _compare_grads, _grads
-from remat.measure.trace import (
+from remat.core.runtime import count_forwards
+from remat.core.trace import (
     Grads,
     Loop,
     OptimizerLike,
@@ -45,6 +43,8 @@ from remat.measure.trace import (
     record_memory,
     timed_steps,
 )
+from remat.errors import RematError
+from remat.measure import _compare_grads, _grads
 from remat.plan.types import Plan
 
 __all__ = ["BenchRow", "BenchResult", "compare", "spread_pct", "separable"]

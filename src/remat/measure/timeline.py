@@ -1,14 +1,14 @@
 """``remat.timeline``: memory over one training step, with its phases and every block's runs marked.
 
-The step is recorded by :func:`remat.measure.trace.record_memory` (every allocation and free, see
+The step is recorded by :func:`remat.core.trace.record_memory` (every allocation and free, see
 NOTE [ What a step's peak means ]) while :func:`remat.profile.profiler.probe` leaves a marker at each
 block boundary; the markers become the forward/backward phases and one interval per block run.
 
 # NOTE [ Real forward runs ]
 With a plan applied, every call the model makes to a block is a real run (NOTE [ Spans ] in
-``remat.apply.runtime``): the probe's hooks see it as usual. A recomputation replays the calls without
+``remat.core.runtime``): the probe's hooks see it as usual. A recomputation replays the calls without
 going through ``__call__``, so no module hook fires for a replayed block; remat's runner reports those
-runs (``remat.apply.runtime.observed``): start, and end or raise. A replay ends early by raising once
+runs (``remat.core.runtime.observed``): start, and end or raise. A replay ends early by raising once
 it has every tensor it needs, so a run ends when its last member returns or raises. Sub-modules
 (``attention_only``/``ffn_only``) checkpointed on their own are replayed the same way and reported too.
 Calls nest properly per block, so a stack per block pairs each end with its F. A real run after the
@@ -27,12 +27,12 @@ from torch import nn
 
 from remat._json import Reader, read
 from remat.apply import applied
-from remat.apply import runtime as _runtime
 from remat.blocks import Block, resolve
+from remat.core import runtime as _runtime
+from remat.core.probe import Event, probe
+from remat.core.trace import Grads, Loop, OptimizerLike, device_of, iteration, mark, record_memory
 from remat.errors import RematError
 from remat.measure import _count_blocks
-from remat.measure.trace import Grads, Loop, OptimizerLike, device_of, iteration, mark, record_memory
-from remat.profile.profiler import probe
 
 __all__ = ["Timeline", "Phase", "Interval", "timeline", "INTERVAL_KINDS"]
 
@@ -75,7 +75,7 @@ class Timeline:
     """Memory over one training step, with the phases and every block's runs.
 
     Times are taken under the torch profiler (which slows the step a little); memory is the exact
-    allocation trace (see NOTE [ What a step's peak means ] in ``remat.measure.trace``).
+    allocation trace (see NOTE [ What a step's peak means ] in ``remat.core.trace``).
 
     Attributes:
         t_ms: Time of every allocation or free, milliseconds from the start of the step.
@@ -187,11 +187,12 @@ def timeline(
     sub_block = [i for i, b in enumerate(block_list) for _ in (*b.attention_fqns, *b.ffn_fqns)]
     plan = applied(model)
 
-    # Each event is (kind, index, real run); its time is the marker e<sequence number> in the trace.
+    # Each event is (kind, index, real run): a probe Event, or "E"/"X" when a real run of a block / sub-module
+    # ends (reported by the runtime), or "L" at the loss; its time is the marker e<sequence number> in the trace.
     events: list[tuple[str, int, bool]] = []
 
     def note(kind: str, index: int) -> None:
-        if kind in ("f", "s"):
+        if kind in (Event.FORWARD_END, Event.SUB_END):
             return  # ends come from the hooks below (NOTE [ Real forward runs ])
         events.append((kind, index, True))
         mark(f"e{len(events) - 1}")
@@ -204,10 +205,10 @@ def timeline(
         # NOTE [ Real forward runs ]: a replay calls forwards without hooks; the runner reports them.
         key = id(module)
         if started and key in first_of:
-            events.append(("F", first_of[key], True))
+            events.append((Event.FORWARD, first_of[key], True))
             mark(f"e{len(events) - 1}")
         elif started and key in sub_of:
-            events.append(("S", sub_of[key], True))
+            events.append((Event.SUB, sub_of[key], True))
             mark(f"e{len(events) - 1}")
         elif not started and key in last_of:
             note("E", last_of[key])
@@ -245,7 +246,9 @@ def timeline(
     try:
         times_ms = [stamps[f"e{seq}"][0] / 1e6 for seq in range(len(events))]
     except KeyError:
-        raise RematError("timeline: the profiler lost remat's block markers; run with no other profiler active") from None
+        raise RematError(
+            "timeline: the profiler lost remat's block markers; run with no other profiler active"
+        ) from None
     duration_ms = trace.duration_ns / 1e6
     # With an optimizer the backward ends where its step starts.
     bwd_end_ms = stamps["optimizer_start"][0] / 1e6 if "optimizer_start" in stamps else duration_ms
@@ -284,10 +287,10 @@ def _intervals(
     for (kind, i, real), t in zip(events, times_ms, strict=True):
         if kind == "L":
             in_backward = True
-        elif kind in ("F", "S"):
+        elif kind in (Event.FORWARD, Event.SUB):
             open_runs.setdefault((kind, i), []).append((t, real))
         elif kind in ("E", "X"):
-            stack = open_runs.get(("F" if kind == "E" else "S", i))
+            stack = open_runs.get((Event.FORWARD if kind == "E" else Event.SUB, i))
             if not stack:
                 continue
             start, was_real = stack.pop()
@@ -295,14 +298,14 @@ def _intervals(
                 continue  # a dispatch or a pass-through
             if kind == "X":
                 block = sub_block[i]
-                if not in_backward or any(real for _, real in open_runs.get(("F", block), [])):
+                if not in_backward or any(real for _, real in open_runs.get((Event.FORWARD, block), [])):
                     continue  # the sub-module ran inside its block's own run
                 out.append(Interval(names[block], "recompute", start, t))
             else:
                 out.append(Interval(names[i], "recompute" if in_backward else "forward", start, t))
-        elif kind == "B":
+        elif kind == Event.BACKWARD:
             bwd_start.setdefault(i, t)
-        elif kind == "b":
+        elif kind == Event.BACKWARD_END:
             bwd_end.setdefault(i, t)
     for i, start in bwd_start.items():
         # A block whose input needs no gradient reports no end of backward: it lasts to the end of the backward.

@@ -2,7 +2,7 @@
 
 # NOTE [ Chain cost model ]
 A profile (``remat.profile``) measures one plain iteration of the user's training loop (NOTE [ What a
-step's peak means ] in ``remat.measure.trace``) and reduces it to a chain of ``n`` blocks followed by a
+step's peak means ] in ``remat.core.trace``) and reduces it to a chain of ``n`` blocks followed by a
 *head* (index ``n``: everything after the last block, loss and the head's backward included; always
 kept). All bytes are above the memory held before the iteration.
 
@@ -31,7 +31,7 @@ A plan is a sequence of operations over blocks ``0..n-1`` (the head is implicit 
                                 attention) which are checkpointed one by one.
 
 Two more measured terms make any calling pattern fit this model (NOTE [ Spans ] in
-``remat.apply.runtime``): ``g[k]`` (``gap_bytes``), the level change from the end of block k's forward
+``remat.core.runtime``): ``g[k]`` (``gap_bytes``), the level change from the end of block k's forward
 to the start of block k+1 (code between blocks), and what stays alive inside a block when autograd
 saves nothing, ``pin[k]`` (``pinned_bytes``) and, for its output, ``pout[k]`` (``pinned_out_bytes``;
 hidden states a model collects), and ``re[k]`` (``reused_bytes``), the part of block k's output that
@@ -68,14 +68,15 @@ forward under a checkpoint costs ``ckpt_fwd_ms`` per block plus ``ckpt_call_ms``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING
 
-from remat._json import Reader
 from remat.errors import RematError
 
-__all__ = ["Chain", "Keep", "Recompute", "RecomputeSub", "Op", "ops_repr", "ops_to_json", "ops_from_json", "validate_ops"]
+if TYPE_CHECKING:
+    from remat.profile.types import Profile
+
+__all__ = ["Chain", "chain_of"]
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class Chain:
             the chain model leaves out (``BlockProfile.chainable`` and the next block linked); the
             solvers put several blocks in one segment only across joinable boundaries (default all ``True``).
         recomputable: Whether each block may be recomputed (``False`` for a stateful forward, see
-            NOTE [ State under recomputation ] in ``remat.apply.runtime``; default all ``True``).
+            NOTE [ State under recomputation ] in ``remat.core.runtime``; default all ``True``).
         grad_bytes: Bytes of parameter gradients each block's backward allocates (entry ``n``: the
             head's), held from then to the end of the iteration (default 0: gradients held before it).
     """
@@ -187,176 +188,36 @@ class Chain:
         return held
 
 
-@dataclass(frozen=True)
-class Keep:
-    """Block ``index`` runs normally and autograd keeps what it saves."""
-
-    index: int
-
-    def __repr__(self) -> str:
-        return f"K{self.index}"
-
-
-@dataclass(frozen=True)
-class Recompute:
-    """Blocks ``start..stop-1`` run under one checkpoint; recomputed in the backward under ``inner``."""
-
-    start: int
-    stop: int
-    inner: tuple[Op, ...]
-
-    def __repr__(self) -> str:
-        return f"R[{self.start}:{self.stop}]({' '.join(map(repr, self.inner))})"
-
-
-@dataclass(frozen=True)
-class RecomputeSub:
-    """Block ``index`` runs normally except its sub-modules ``fqns``, each checkpointed on its own."""
-
-    index: int
-    fqns: tuple[str, ...]
-
-    def __repr__(self) -> str:
-        return f"S{self.index}{{{','.join(self.fqns)}}}"
-
-
-Op = Keep | Recompute | RecomputeSub
-
-
-def ops_repr(ops: tuple[Op, ...]) -> str:
-    """Compact text of a plan, e.g. ``'K0 R[1:4](K1 R[2:3](K2) K3) K4'``."""
-    return " ".join(map(repr, ops))
-
-
-def ops_to_json(ops: tuple[Op, ...]) -> list[Any]:
-    """Operations as plain JSON values."""
-    out: list[Any] = []
-    for op in ops:
-        if isinstance(op, Keep):
-            out.append({"op": "keep", "index": op.index})
-        elif isinstance(op, Recompute):
-            out.append({"op": "recompute", "start": op.start, "stop": op.stop, "inner": ops_to_json(op.inner)})
-        else:
-            out.append({"op": "recompute_sub", "index": op.index, "fqns": list(op.fqns)})
-    return out
-
-
-def ops_from_json(data: Any, reader: Reader | None = None, path: str = "ops") -> tuple[Op, ...]:
-    """Inverse of :func:`ops_to_json`; only the form is checked here, :func:`validate_ops` checks the coverage.
-
-    Args:
-        data: The JSON list of operations.
-        reader: The file being read (default: a plan file), for messages.
-        path: Where ``data`` is in the file, for messages.
-
-    Raises:
-        RematError: If an operation is not an object, has an unknown ``op``, or lacks or mistypes a field.
-    """
-    reader = reader or Reader("plan")
-    if not isinstance(data, list):
-        raise reader.error(path, "is not a list, expected a list of operations")
-    ops: list[Op] = []
-    for i, item in enumerate(data):
-        at = f"{path}[{i}]"
-        obj = reader.object(item, at)
-        kind = obj.get("op")
-        if kind not in _OP_FIELDS:
-            raise reader.error(f"{at}.op", f"is {kind!r}, expected one of {', '.join(map(repr, _OP_FIELDS))}")
-        reader.ignore_unknown(obj, {"op", *_OP_FIELDS[kind]}, at)
-        if kind == "keep":
-            ops.append(Keep(reader.field(obj, "index", int, at)))
-        elif kind == "recompute":
-            if "inner" not in obj:
-                raise reader.missing(f"{at}.inner")
-            start, stop = reader.field(obj, "start", int, at), reader.field(obj, "stop", int, at)
-            ops.append(Recompute(start, stop, ops_from_json(obj["inner"], reader, f"{at}.inner")))
-        else:
-            ops.append(RecomputeSub(reader.field(obj, "index", int, at), reader.field(obj, "fqns", tuple[str, ...], at)))
-    return tuple(ops)
-
-
-# The fields of each operation's JSON form (besides "op"), in the order ops_to_json writes them.
-_OP_FIELDS: dict[str, tuple[str, ...]] = {"keep": ("index",), "recompute": ("start", "stop", "inner"), "recompute_sub": ("index", "fqns")}
-
-
-def validate_ops(
-    ops: Sequence[Op],
-    n: int,
-    *,
-    block_fqns: Sequence[Sequence[str]] | None = None,
-    source: str = "plan",
-) -> None:
-    """Check that ``ops`` is a plan for blocks ``0..n-1`` (NOTE [ Chain cost model ]).
-
-    The operations must cover every block exactly once, in order, within ``0..n-1``; the inner plan
-    of each ``Recompute`` must cover its span the same way and end with a ``Keep`` or
-    ``RecomputeSub`` (the segment's output is kept); and, when ``block_fqns`` is given, the
-    sub-modules of each ``RecomputeSub`` must lie inside its block.
-
-    Args:
-        ops: The operations.
-        n: Number of blocks of the plan.
-        block_fqns: The member modules' FQNs of each block (``Block.fqns``), to check ``RecomputeSub``.
-        source: Where the check is made, the start of each message (``"apply"``, ``"plan json"`` ...).
-
-    Raises:
-        RematError: Naming the first operation at fault, its position and what was expected.
-    """
-    if block_fqns is not None and len(block_fqns) != n:
-        raise RematError(f"{source}: a plan of {n} blocks was given the names of {len(block_fqns)} blocks")
-    _validate(tuple(ops), 0, n, "plan", source, block_fqns)
-
-
-def _validate(
-    ops: tuple[Op, ...], start: int, stop: int, where: str, source: str, block_fqns: Sequence[Sequence[str]] | None
-) -> None:
-    """Raise unless ``ops`` covers blocks ``start..stop-1`` once each, in order."""
-    expected = start
-    for pos, op in enumerate(ops):
-        if expected >= stop and isinstance(op, (Keep, RecomputeSub, Recompute)):
-            raise RematError(
-                f"{source}: {where} operation {op!r} at position {pos} is past block {stop - 1}, the last one it "
-                f"may cover; a plan must cover blocks {start}..{stop - 1} once each, in order."
-            )
-        if isinstance(op, (Keep, RecomputeSub)):
-            if op.index != expected:
-                raise RematError(
-                    f"{source}: {where} operation {op!r} at position {pos} is for block {op.index}, expected block "
-                    f"{expected}; a plan must cover blocks {start}..{stop - 1} once each, in order."
-                )
-            if isinstance(op, RecomputeSub) and block_fqns is not None:
-                members = tuple(block_fqns[op.index])
-                outside = [f for f in op.fqns if not any(f.startswith(m + ".") for m in members)]
-                if outside or not op.fqns:
-                    what = f"names {outside[0]!r}, which is not inside" if outside else "names no sub-module of"
-                    raise RematError(
-                        f"{source}: {where} operation {op!r} at position {pos} {what} block {op.index} "
-                        f"({', '.join(members)}); a RecomputeSub checkpoints sub-modules of its own block."
-                    )
-            expected += 1
-        elif isinstance(op, Recompute):
-            if op.start != expected or not op.start < op.stop <= stop:
-                raise RematError(
-                    f"{source}: {where} operation {op!r} at position {pos} spans blocks {op.start}..{op.stop - 1}, "
-                    f"expected a non-empty span starting at block {expected} and ending by block {stop - 1}; "
-                    f"a plan must cover blocks {start}..{stop - 1} once each, in order."
-                )
-            if not op.inner or not isinstance(op.inner[-1], (Keep, RecomputeSub)):
-                last = repr(op.inner[-1]) if op.inner else "nothing"
-                raise RematError(
-                    f"{source}: {where} operation {op!r} at position {pos} ends its inner plan with {last}; the "
-                    f"inner plan of a recompute must end with Keep({op.stop - 1}) (or RecomputeSub) so the "
-                    "segment's output is kept."
-                )
-            _validate(op.inner, op.start, op.stop, f"inner plan of {op!r}:", source, block_fqns)
-            expected = op.stop
-        else:
-            raise RematError(
-                f"{source}: {where} operation {op!r} at position {pos} is a {type(op).__name__}; "
-                "expected Keep, Recompute or RecomputeSub."
-            )
-    if expected != stop:
-        raise RematError(
-            f"{source}: {where} operations cover blocks {start}..{expected - 1} but must cover {start}..{stop - 1}; "
-            "add the missing blocks to the plan."
+def chain_of(profile: Profile) -> Chain:
+    """The solver's view of a profile (NOTE [ Chain cost model ])."""
+    bps = profile.block_profiles
+    return Chain(
+        fwd_ms=tuple(b.fwd_ms for b in bps) + (profile.head_ms,),
+        bwd_ms=tuple(b.bwd_ms for b in bps) + (0.0,),
+        # What a segment ending before block k leaves: block k-1's own output (arguments every block
+        # receives, a mask, rotary tables, are held before block 0 and counted once, in base_bytes).
+        x_bytes=(bps[0].input_bytes, *(b.own_output_bytes for b in bps[:-1]), profile.head_input_bytes),
+        keep_bytes=tuple(b.keep_bytes for b in bps) + (0,),
+        fwd_peak_bytes=tuple(b.fwd_peak_bytes for b in bps) + (profile.head_peak_bytes,),
+        bwd_peak_bytes=tuple(b.bwd_peak_bytes for b in bps) + (0,),
+        base_bytes=profile.base_bytes,
+        pre_peak_bytes=profile.pre_peak_bytes,
+        # After block 0's backward nothing depends on the plan: the rest of the backward, then the
+        # optimizer's step (measured above the held memory, every gradient allocated).
+        tail_peak_bytes=max(profile.tail_peak_bytes, profile.optimizer_peak_bytes - profile.base_bytes),
+        out_free_bytes=tuple(b.output_bytes - b.output_saved_bytes for b in bps) + (0,),
+        ckpt_fwd_ms=tuple(max(b.ckpt_fwd_ms, b.fwd_ms) for b in bps) + (profile.head_ms,),
+        ckpt_call_ms=profile.ckpt_call_ms,
+        ckpt_state_bytes=profile.ckpt_state_bytes,
+        gap_bytes=tuple(b.gap_bytes for b in bps) + (0,),
+        pinned_bytes=tuple(b.pinned_bytes for b in bps) + (0,),
+        pinned_out_bytes=tuple(b.pinned_out_bytes for b in bps) + (0,),
+        reused_bytes=tuple(b.reused_bytes for b in bps) + (0,),
+        unlinked_bytes=tuple(b.unlinked_bytes for b in bps) + (0,),
+        recomputable=tuple(not b.stateful for b in bps) + (True,),
+        joinable=tuple(
+            i + 1 >= len(bps) or (b.chainable and b.reused_bytes == 0 and bps[i + 1].linked) for i, b in enumerate(bps)
         )
+        + (True,),
+        grad_bytes=tuple(b.grad_bytes for b in bps) + (profile.head_grad_bytes,),
+    )

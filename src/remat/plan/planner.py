@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
+from remat.core.ops import Keep, Op, ops_repr
 from remat.errors import BudgetInfeasibleError, RematError
-from remat.plan.chain import Chain, Keep, Op, ops_repr
+from remat.plan.chain import Chain, chain_of
 from remat.plan.solver import min_peak, min_peak_plan, simulate, solve
-from remat.plan.strategies import STRATEGIES, Strategy, bench_strategies
+from remat.plan.strategies import STRATEGIES, Strategy
 from remat.plan.types import Plan
 from remat.units import Budget, format_bytes, parse_budget
 
 if TYPE_CHECKING:
     from remat.profile.types import Profile
 
-__all__ = ["SOLVERS", "plan", "plan_from_ops", "frontier", "Frontier", "FrontierPoint"]
+__all__ = ["SOLVERS", "plan", "plan_from_ops"]
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ SOLVERS: dict[str, Callable[[Profile, Chain, int], tuple[Op, ...] | None]] = {
 
 def plan_from_ops(profile: Profile, ops: tuple[Op, ...], label: str, budget_bytes: int | None = None) -> Plan:
     """A plan for ``ops`` on ``profile``'s blocks, with its simulated peak and recompute time."""
-    sim = simulate(profile.chain(), ops, profile.sub_costs())
+    sim = simulate(chain_of(profile), ops, profile.sub_costs())
     return Plan(
         strategy=label,
         blocks=profile.blocks,
@@ -71,7 +70,7 @@ def plan(
 
     Under an initialised ``torch.distributed`` process group with several ranks this is a collective:
     every rank must call it; the ranks' profiles are merged (the largest bytes and times of any rank),
-    and every rank returns rank 0's plan (NOTE [ One plan for every rank ] in ``remat.distributed``).
+    and every rank returns rank 0's plan (NOTE [ One plan for every rank ] in ``remat.plan.ranks``).
 
     Args:
         profile: From ``remat.profile``.
@@ -90,7 +89,7 @@ def plan(
         RematError: For an unknown solver or a missing budget.
         PlanMismatchError: Under a process group, if the ranks profiled different blocks.
     """
-    from remat.distributed import one_plan  # local: remat.distributed imports the plan types
+    from remat.plan.ranks import one_plan  # local: remat.distributed imports the plan types
 
     return one_plan(profile, lambda prof: _plan_here(prof, budget, solver=solver, strategy=strategy))
 
@@ -109,7 +108,7 @@ def _plan_here(profile: Profile, budget: int | str | Budget | None, *, solver: s
     if budget is None:
         raise RematError("plan: a budget is needed, in bytes ('1.5GiB') or as a share of the unplanned peak ('40%')")
     budget_bytes = parse_budget(budget).resolve(profile.peak_bytes)
-    chain = profile.chain()
+    chain = chain_of(profile)
     nested = solver == "optimal" and _nested(profile)
     headroom = budget_bytes - chain.base_bytes
     fixed = max(chain.pre_peak_bytes, chain.base_bytes + chain.tail_peak_bytes)
@@ -127,7 +126,9 @@ def _plan_here(profile: Profile, budget: int | str | Budget | None, *, solver: s
         ops = solve(chain, headroom, nested=nested, slots=min(1 << 16, max(1, headroom)), sub_costs=subs) or (
             min_peak_plan(chain, nested=nested, sub_costs=subs)
         )
-        log.info("plan: budget %s is within rounding of the smallest peak; used a finer solve", format_bytes(budget_bytes))
+        log.info(
+            "plan: budget %s is within rounding of the smallest peak; used a finer solve", format_bytes(budget_bytes)
+        )
     if ops is None:
         cheapest = ops_repr(min_peak_plan(chain, nested=nested, sub_costs=subs))
         raise BudgetInfeasibleError(
@@ -138,82 +139,3 @@ def _plan_here(profile: Profile, budget: int | str | Budget | None, *, solver: s
         )
     label = solver if nested or solver == "knapsack" else f"{solver} (single-level: blocks are not a chain)"
     return plan_from_ops(profile, ops, label, budget_bytes)
-
-
-@dataclass(frozen=True)
-class FrontierPoint:
-    """One point of the optimal trade-off: a budget and the best plan's predicted cost.
-
-    Attributes:
-        budget_bytes: The budget solved for, bytes.
-        peak_bytes: Predicted peak of the optimal plan, bytes.
-        extra_ms: Predicted recompute time per step, milliseconds.
-        ops: The plan in compact form.
-    """
-
-    budget_bytes: int
-    peak_bytes: int
-    extra_ms: float
-    ops: str
-
-
-@dataclass(frozen=True)
-class Frontier:
-    """The optimal (peak, extra time) points across budgets, and where each seed strategy falls.
-
-    Attributes:
-        points: Optimal plans from the smallest feasible peak to keeping everything, by rising peak.
-        strategies: ``(label, predicted peak bytes, predicted extra ms)`` of every strategy.
-        baseline_peak_bytes: Measured unplanned peak, bytes.
-        baseline_step_ms: Measured plain step time, milliseconds.
-    """
-
-    schema_version: ClassVar[int] = 1
-
-    points: tuple[FrontierPoint, ...]
-    strategies: tuple[tuple[str, int, float], ...]
-    baseline_peak_bytes: int
-    baseline_step_ms: float
-
-    def to_json(self) -> str:
-        """Serialise to a JSON string."""
-        return json.dumps({"schema_version": self.schema_version, **asdict(self)}, indent=2)
-
-
-def frontier(profile: Profile, *, points: int = 16, solver: str = "optimal") -> Frontier:
-    """The optimal trade-off between peak memory and recompute time on ``profile``.
-
-    Args:
-        profile: From ``remat.profile``.
-        points: How many budgets to solve for, evenly spaced from the smallest feasible peak to the
-            keep-everything peak, >= 2.
-        solver: ``"optimal"`` or ``"knapsack"``.
-
-    Returns:
-        The :class:`Frontier` (Pareto points only) with every seed strategy's predicted figures.
-    """
-    if points < 2:
-        raise RematError(f"frontier: points={points} must be >= 2")
-    chain = profile.chain()
-    nested = solver == "optimal" and _nested(profile)
-    low = min_peak(chain, nested=nested, sub_costs=profile.sub_costs() if solver == "optimal" else None)
-    high = simulate(chain, tuple(plan(profile, strategy=STRATEGIES["none"]()).ops)).peak_bytes
-    found: list[FrontierPoint] = []
-    for i in range(points):
-        b = low + (high - low) * i // (points - 1)
-        try:
-            p = plan(profile, max(b, low), solver=solver)
-        except BudgetInfeasibleError:
-            continue  # discretisation can make the very lowest budget unreachable
-        assert p.predicted_peak_bytes is not None and p.predicted_extra_ms is not None
-        found.append(FrontierPoint(b, p.predicted_peak_bytes, p.predicted_extra_ms, p.describe()))
-    pareto: list[FrontierPoint] = []
-    for pt in sorted(found, key=lambda q: (q.peak_bytes, q.extra_ms)):
-        if not pareto or pt.extra_ms < pareto[-1].extra_ms - 1e-9:
-            pareto.append(pt)
-    strategies = []
-    for s in bench_strategies(profile.blocks, profile):
-        sp = plan(profile, strategy=s)
-        assert sp.predicted_peak_bytes is not None and sp.predicted_extra_ms is not None
-        strategies.append((s.label, sp.predicted_peak_bytes, sp.predicted_extra_ms))
-    return Frontier(tuple(pareto), tuple(strategies), profile.peak_bytes, profile.step_ms)

@@ -86,8 +86,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from remat.core.ops import Keep, Op, Recompute, RecomputeSub, validate_ops
 from remat.errors import RematError
-from remat.plan.chain import Chain, Keep, Op, Recompute, RecomputeSub, validate_ops
+from remat.plan.chain import Chain
 
 __all__ = ["Simulation", "SubCosts", "simulate", "solve", "min_peak", "min_peak_plan", "all_plans"]
 
@@ -546,10 +547,15 @@ def _grads_after(chain: Chain) -> list[int]:
 
 def _held(chain: Chain) -> list[int]:
     """What a checkpoint ending before block ``k`` holds (single-block segments; see ``Chain.segment_bytes``)."""
-    return [chain.segment_bytes(k - 1, k) if k else int(chain.x_bytes[0]) + int(chain.ckpt_state_bytes) for k in range(chain.n + 1)]
+    return [
+        chain.segment_bytes(k - 1, k) if k else int(chain.x_bytes[0]) + int(chain.ckpt_state_bytes)
+        for k in range(chain.n + 1)
+    ]
 
 
-def _peak_ways(chain: Chain, variants: list[list[_Variant]]) -> list[list[tuple[tuple[str, ...] | None, int, int, int, int]]]:
+def _peak_ways(
+    chain: Chain, variants: list[list[_Variant]]
+) -> list[list[tuple[tuple[str, ...] | None, int, int, int, int]]]:
     """Per block, per way of keeping it: (sub-modules, S, fp, S + bp, peak as the last block of a range)."""
     out = []
     for s, ways in enumerate(variants):
@@ -669,7 +675,9 @@ def min_peak(chain: Chain, *, nested: bool = True, sub_costs: SubCosts | None = 
 # ----------------------------------------------------------------------------------------------
 
 
-def _plans(s: int, t: int, n: int, nested: bool, subs: Mapping[int, Sequence[tuple[str, ...]]]) -> Iterator[tuple[Op, ...]]:
+def _plans(
+    s: int, t: int, n: int, nested: bool, subs: Mapping[int, Sequence[tuple[str, ...]]]
+) -> Iterator[tuple[Op, ...]]:
     kept: list[Op] = [Keep(s), *(RecomputeSub(s, tuple(f)) for f in subs.get(s, ()))] if s < n else []
     if s == t:
         if t == n:

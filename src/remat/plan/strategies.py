@@ -15,8 +15,8 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from remat.blocks import Block, LayerType
+from remat.core.ops import Keep, Op, Recompute, RecomputeSub
 from remat.errors import RematError
-from remat.plan.chain import Keep, Op, Recompute, RecomputeSub
 from remat.plan.types import single_level_ops
 from remat.units import format_bytes, parse_bytes
 
@@ -166,7 +166,9 @@ class _Selective(Strategy):
     name: ClassVar[str] = "selective"
 
     def __post_init__(self) -> None:
-        if isinstance(self.indices, (int, str)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in self.indices):
+        if isinstance(self.indices, (int, str)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in self.indices
+        ):
             raise RematError(f"strategy selective: indices={self.indices!r} must be a sequence of block indices (ints)")
         object.__setattr__(self, "indices", tuple(self.indices))
         negative = [i for i in self.indices if i < 0]
@@ -302,7 +304,11 @@ class _AttentionOnly(Strategy):
         return _by_type(self, LayerType.ATTENTION, self.min_interval, blocks)
 
     def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
-        return tuple(op.index if isinstance(op, RecomputeSub) else op.start for op in self.ops(blocks) if not isinstance(op, Keep))
+        return tuple(
+            op.index if isinstance(op, RecomputeSub) else op.start
+            for op in self.ops(blocks)
+            if not isinstance(op, Keep)
+        )
 
     def _describe(self) -> str:
         return f"checkpoint attention (whole attention blocks, or the attention inside mixed blocks), every {self.min_interval}"
@@ -324,7 +330,11 @@ class _FfnOnly(Strategy):
         return _by_type(self, LayerType.FFN, self.min_interval, blocks)
 
     def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
-        return tuple(op.index if isinstance(op, RecomputeSub) else op.start for op in self.ops(blocks) if not isinstance(op, Keep))
+        return tuple(
+            op.index if isinstance(op, RecomputeSub) else op.start
+            for op in self.ops(blocks)
+            if not isinstance(op, Keep)
+        )
 
     def _describe(self) -> str:
         return f"checkpoint feed-forward (whole FFN blocks, or the FFN inside mixed blocks), every {self.min_interval}"
@@ -346,7 +356,9 @@ class _Largest(Strategy):
     def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
         prof = self._sizes(profile, len(blocks))
         if self.top_k > len(blocks):
-            raise RematError(f"strategy largest: top_k={self.top_k} exceeds the {len(blocks)} blocks; use 0..{len(blocks)}")
+            raise RematError(
+                f"strategy largest: top_k={self.top_k} exceeds the {len(blocks)} blocks; use 0..{len(blocks)}"
+            )
         order = sorted(range(len(blocks)), key=lambda i: (-prof.block_profiles[i].saved_bytes, i))
         return tuple(sorted(order[: self.top_k]))
 
@@ -366,7 +378,9 @@ class _Budget(Strategy):
 
     def __post_init__(self) -> None:
         if isinstance(self.max_bytes, (int, float)) and not isinstance(self.max_bytes, bool) and self.max_bytes < 0:
-            raise RematError(f"strategy budget: max_bytes={self.max_bytes!r} is negative; give bytes >= 0 or a size like '200MiB'")
+            raise RematError(
+                f"strategy budget: max_bytes={self.max_bytes!r} is negative; give bytes >= 0 or a size like '200MiB'"
+            )
         object.__setattr__(self, "max_bytes", parse_bytes(self.max_bytes))
 
     def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
@@ -463,7 +477,9 @@ class _Named(Strategy):
 
     def __post_init__(self) -> None:
         if isinstance(self.groups, str) or not self.groups:
-            raise RematError(f"strategy named: groups={self.groups!r} must be a non-empty list of lists of module names")
+            raise RematError(
+                f"strategy named: groups={self.groups!r} must be a non-empty list of lists of module names"
+            )
         object.__setattr__(self, "groups", tuple((g,) if isinstance(g, str) else tuple(g) for g in self.groups))
 
     def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
@@ -478,7 +494,9 @@ class _Named(Strategy):
         return tuple(i for i, b in enumerate(blocks) if b.fqns in set(self.groups))
 
     def _describe(self) -> str:
-        return f"checkpoint the named blocks {[list(g) for g in self.groups]} (inputs and outputs kept, inside recomputed)"
+        return (
+            f"checkpoint the named blocks {[list(g) for g in self.groups]} (inputs and outputs kept, inside recomputed)"
+        )
 
 
 STRATEGIES: dict[str, type[Strategy]] = {

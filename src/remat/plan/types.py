@@ -25,14 +25,14 @@ import json
 import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from enum import Enum
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 from remat._json import Reader, load
 from remat.blocks import Block
+from remat.core.ops import Keep, Op, Recompute, RecomputeSub, ops_from_json, ops_repr, ops_to_json, validate_ops
 from remat.errors import RematError
-from remat.plan.chain import Keep, Op, Recompute, RecomputeSub, ops_from_json, ops_repr, ops_to_json, validate_ops
 from remat.units import format_bytes, format_ms
 
 __all__ = [
@@ -45,8 +45,6 @@ __all__ = [
     "ops_from_text",
     "sub_kind",
     "times_in_words",
-    "block_to_json",
-    "block_from_json",
 ]
 
 LEGEND = (
@@ -195,22 +193,6 @@ class _Run:
     own: bool = False  # each block under its own checkpoint ("each on its own" once grouped)
 
 
-def block_to_json(b: Block) -> dict[str, Any]:
-    """A block as plain JSON values."""
-    d = asdict(b)
-    d["type_hint"] = b.type_hint.value
-    return d
-
-
-def block_from_json(d: dict[str, Any], reader: Reader | None = None, path: str = "block") -> Block:
-    """Inverse of :func:`block_to_json`.
-
-    Raises:
-        RematError: If a field is missing or of the wrong type (``reader`` names the file, ``path`` the block).
-    """
-    return (reader or Reader("block")).build(Block, d, path)
-
-
 @dataclass(frozen=True)
 class Plan:
     """Decisions for every block of a model, and their predicted cost.
@@ -255,7 +237,10 @@ class Plan:
         """Nesting depth: 0 keeps everything, 1 is single-level checkpointing, 2+ is nested."""
 
         def d(ops: tuple[Op, ...]) -> int:
-            return max((1 + d(op.inner) if isinstance(op, Recompute) else int(isinstance(op, RecomputeSub)) for op in ops), default=0)
+            return max(
+                (1 + d(op.inner) if isinstance(op, Recompute) else int(isinstance(op, RecomputeSub)) for op in ops),
+                default=0,
+            )
 
         return d(self.ops)
 
@@ -370,7 +355,8 @@ class Plan:
         lines = list(self.lines())
         nested = {i for line in lines if line.depth > 0 for i in line.blocks}
         clauses = [
-            f"{self.span(line.blocks)}: {line.what}" + (", with more recomputation nested inside" if nested & set(line.blocks) else "")
+            f"{self.span(line.blocks)}: {line.what}"
+            + (", with more recomputation nested inside" if nested & set(line.blocks) else "")
             for line in lines
             if line.depth == 0 and line.fate is not Fate.KEPT
         ]
@@ -405,7 +391,9 @@ class Plan:
             )
             lines.append(f"  predicted peak: {format_bytes(self.predicted_peak_bytes)}{ratio}")
         if self.predicted_extra_ms is not None:
-            ratio = f" (+{self.predicted_extra_ms / self.baseline_step_ms:.0%} of a step)" if self.baseline_step_ms else ""
+            ratio = (
+                f" (+{self.predicted_extra_ms / self.baseline_step_ms:.0%} of a step)" if self.baseline_step_ms else ""
+            )
             lines.append(f"  predicted recompute: {format_ms(self.predicted_extra_ms)}{ratio}")
         return "\n".join(lines)
 
@@ -414,7 +402,7 @@ class Plan:
         data = {
             "schema_version": self.schema_version,
             "strategy": self.strategy,
-            "blocks": [block_to_json(b) for b in self.blocks],
+            "blocks": [b.to_json() for b in self.blocks],
             "ops": ops_to_json(self.ops),
             "fingerprint": self.fingerprint,
             "budget_bytes": self.budget_bytes,
@@ -434,12 +422,16 @@ class Plan:
                 lists its blocks out of order, or its operations do not cover every block once, in
                 order (``remat.plan.chain.validate_ops``).
         """
-        reader = Reader("plan", "make the plan again with remat.plan(...).to_json() or `remat plan MODEL --out plan.json`")
+        reader = Reader(
+            "plan", "make the plan again with remat.plan(...).to_json() or `remat plan MODEL --out plan.json`"
+        )
         data = load(text, reader, cls.schema_version)
         plan = reader.build(cls, data, convert={"ops": lambda r, v, at: ops_from_json(v, r, at)})
         for i, b in enumerate(plan.blocks):
             if b.index != i:
-                raise reader.error(f"blocks[{i}].index", f"is {b.index}, expected {i} (blocks are listed in forward order from 0)")
+                raise reader.error(
+                    f"blocks[{i}].index", f"is {b.index}, expected {i} (blocks are listed in forward order from 0)"
+                )
         validate_ops(plan.ops, len(plan.blocks), block_fqns=[b.fqns for b in plan.blocks], source="plan json: ops")
         return plan
 

@@ -5,23 +5,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from remat._progress import progress as show_progress
-from remat.apply.runtime import install, uninstall
 from remat.blocks import Block, fingerprint, resolve
 from remat.blocks import blocks as find_blocks
-from remat.errors import BlockSelectionError, RematError
-from remat.measure.trace import (
+from remat.core.ops import Keep, Op, Recompute, RecomputeSub
+from remat.core.probe import Event, Probe, probe, storages
+from remat.core.runtime import install, suspended, uninstall
+from remat.core.trace import (
     Grads,
     Iteration,
     MemoryTrace,
@@ -35,210 +33,13 @@ from remat.measure.trace import (
     record_memory,
     train_step,
 )
-from remat.plan.chain import Keep, Op, Recompute, RecomputeSub
+from remat.core.wrapped import unwrap
+from remat.errors import BlockSelectionError, RematError
 from remat.profile.types import BlockProfile, Profile, SubProfile
 
-__all__ = ["profile", "probe"]
+__all__ = ["profile"]
 
 log = logging.getLogger(__name__)
-
-# Event kinds reported by the probe: F/f block forward start/end, B/b block backward start/end,
-# S/s sub-module forward start/end.
-Callback = Callable[[str, int], None]
-
-
-def _storages(obj: Any, exclude: set[int]) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for leaf in tree_leaves(obj):
-        if isinstance(leaf, torch.Tensor):
-            try:
-                # A DTensor (FSDP2's sharded parameters) or a freed storage has no data pointer: skip it.
-                st = leaf.untyped_storage()
-                ptr = st.data_ptr()
-            except (RuntimeError, NotImplementedError):
-                continue
-            if ptr not in exclude:
-                out[ptr] = st.nbytes()
-    return out
-
-
-def _plain_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    # Buffers other than the running statistics of norms, which remat restores around recomputation.
-    for prefix, sub in module.named_modules():
-        if isinstance(sub, _NormBase):
-            continue
-        for name, buf in sub.named_buffers(recurse=False):
-            yield (f"{prefix}.{name}" if prefix else name), buf
-
-
-class _Probe:
-    """Hooks on blocks and sub-modules that report forward/backward boundaries and saved tensors."""
-
-    def __init__(self, model: nn.Module, block_list: Sequence[Block], callback: Callback, *, track: bool) -> None:
-        self.model = model
-        self.members = resolve(model, block_list)
-        self.subs = [model.get_submodule(f) for b in block_list for f in (*b.attention_fqns, *b.ffn_fqns)]
-        self.sub_names = [f for b in block_list for f in (*b.attention_fqns, *b.ffn_fqns)]
-        self.callback = callback
-        self.track = track
-        self.params = set(_storages(list(model.parameters()), set()))
-        n, m = len(block_list), len(self.subs)
-        self.saved: list[dict[int, int]] = [{} for _ in range(n + m)]
-        self.inputs: list[dict[int, int]] = [{} for _ in range(n + m)]
-        self.outputs: list[dict[int, int]] = [{} for _ in range(n + m)]
-        self.calls = [0] * n
-        self.order: list[int] = []
-        # Links between blocks (BlockProfile.linked): the previous block's output tensors (weakly, with
-        # their versions) and the storages that existed before the previous block started.
-        self.linked = [True] * n
-        self.unlinked = [0] * n  # bytes of the inputs that made a block not linked
-        self._prev_outs: list[tuple[weakref.ref[torch.Tensor], int]] = []
-        self._prev_inputs: set[int] = set()
-        self._seen: set[int] = set()
-        self._seen_before_prev: set[int] = set()
-        # Stateful forwards (BlockProfile.stateful): buffers before each block's forward.
-        self.stateful: list[tuple[str, ...]] = [()] * n
-        self._buffers_before: dict[int, dict[str, tuple[torch.Tensor, int, torch.Tensor]]] = {}
-        self._active: list[int] = []
-        self._fired: set[tuple[str, int]] = set()
-        self.handles: list[Any] = []
-        self.tensor_handles: list[Any] = []  # hooks on the step's tensors (inputs may outlive the step)
-
-    def _once(self, kind: str, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(_grad: torch.Tensor) -> None:
-            if (kind, i) not in self._fired:
-                self._fired.add((kind, i))
-                self.callback(kind, i)
-
-        return hook
-
-    def _pre(self, slot: int, kind: str, index: int) -> Callable[..., None]:
-        def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            self.callback(kind, index)
-            self._active.append(slot)
-            if self.track:
-                self.inputs[slot].update(_storages((args, kwargs), self.params))
-            if kind == "F":
-                self.calls[index] += 1
-                self.order.append(index)
-                if self.track:
-                    self._link(index, args, kwargs)
-                for t in tree_leaves((args, kwargs)):
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        self.tensor_handles.append(t.register_hook(self._once("b", index)))
-
-        return hook
-
-    def _post(self, slot: int, kind: str, index: int) -> Callable[..., None]:
-        def hook(_mod: nn.Module, _args: Any, _kwargs: Any, out: Any) -> None:
-            if self.track:
-                self.outputs[slot].update(_storages(out, self.params))
-            if self._active and self._active[-1] == slot:
-                self._active.pop()
-            if kind == "f":
-                self._prev_outs = [(weakref.ref(t), t._version) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-                if self.track:
-                    self._seen |= set(self.outputs[slot])
-                for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        self.tensor_handles.append(t.register_hook(self._once("B", index)))
-            self.callback(kind, index)
-
-        return hook
-
-    def _link(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        # Block k's inputs are linked if each is one of block k-1's outputs, unchanged, or a tensor
-        # whose storage existed before block k-1 started (a mask, rotary tables, a bias an earlier
-        # block made): a segment across the boundary then holds nothing that is not held anyway.
-        ok = True
-        if index:
-            allowed = self._seen_before_prev | self._prev_inputs
-            outs = {id(r()): v for r, v in self._prev_outs if r() is not None}
-            for t in tree_leaves((args, kwargs)):
-                if not isinstance(t, torch.Tensor) or (id(t) in outs and outs[id(t)] == t._version):
-                    continue
-                try:
-                    ptr = t.untyped_storage().data_ptr()
-                except (RuntimeError, NotImplementedError):
-                    continue
-                if ptr not in allowed and ptr not in self.params:
-                    ok = False
-                    self.unlinked[index] += t.untyped_storage().nbytes()
-        self.linked[index] = ok
-        self._seen_before_prev = set(self._seen)
-        mine = set(_storages((args, kwargs), self.params))
-        self._prev_inputs = mine
-        self._seen |= mine
-
-    def _buffer_pre(self, index: int) -> Callable[..., None]:
-        def hook(_mod: nn.Module, _args: Any) -> None:
-            snap: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
-            for mod in self.members[index]:
-                for name, buf in _plain_buffers(mod):
-                    snap[f"{id(mod)}:{name}"] = (buf, buf._version, buf.detach().clone())
-            self._buffers_before[index] = snap
-
-        return hook
-
-    def _buffer_post(self, index: int) -> Callable[..., None]:
-        def hook(_mod: nn.Module, _args: Any, _out: Any) -> None:
-            snap = self._buffers_before.pop(index, {})
-            names = {f"{id(mod)}:{name}": name for mod in self.members[index] for name, _ in _plain_buffers(mod)}
-            changed = [
-                names.get(key, key) for key, (buf, version, copy) in snap.items() if buf._version != version or not torch.equal(buf, copy)
-            ]
-            if changed:
-                self.stateful[index] = tuple(changed)
-
-        return hook
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self._active:
-            try:
-                st = t.untyped_storage()
-                ptr, size = st.data_ptr(), st.nbytes()
-            except (RuntimeError, NotImplementedError):
-                return t
-            if ptr not in self.params:
-                for slot in self._active:
-                    self.saved[slot][ptr] = size
-        return t
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[_Probe]:
-        n = len(self.members)
-        for i, mods in enumerate(self.members):
-            self.handles.append(mods[0].register_forward_pre_hook(self._pre(i, "F", i), with_kwargs=True))
-            self.handles.append(mods[-1].register_forward_hook(self._post(i, "f", i), with_kwargs=True))
-        if self.track:
-            for i, mods in enumerate(self.members):
-                # First of all pre-hooks: a hook may update state too (spectral norm's power iteration).
-                self.handles.append(mods[0].register_forward_pre_hook(self._buffer_pre(i), prepend=True))
-                self.handles.append(mods[-1].register_forward_hook(self._buffer_post(i)))
-        for j, sub in enumerate(self.subs):
-            self.handles.append(sub.register_forward_pre_hook(self._pre(n + j, "S", j), with_kwargs=True))
-            self.handles.append(sub.register_forward_hook(self._post(n + j, "s", j), with_kwargs=True))
-        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t) if self.track else contextlib.nullcontext()
-        try:
-            with ctx:
-                yield self
-        finally:
-            self._prev_outs = []
-            self._buffers_before.clear()
-            for h in (*self.handles, *self.tensor_handles):
-                h.remove()
-            self.handles.clear()
-            self.tensor_handles.clear()
-
-
-@contextlib.contextmanager
-def probe(model: nn.Module, block_list: Sequence[Block], callback: Callback, *, track: bool = False) -> Iterator[_Probe]:
-    """Report ``(kind, index)`` at each block's forward start ``F``/end ``f``, backward start ``B``/end ``b``
-    and each attention/FFN sub-module's forward start ``S``/end ``s``; with ``track``, also record the
-    storages each block saves for backward, takes and returns."""
-    with _Probe(model, block_list, callback, track=track).installed() as p:
-        yield p
-
 
 # NOTE [ Measured checkpoint costs ]
 # Checkpointing a block costs more than running its forward again: saved-tensor hooks, RNG state,
@@ -326,7 +127,7 @@ def profile(
     Runs ``warmup`` plain iterations, ``repeats`` timed iterations (median per block), one iteration
     under the torch profiler for memory and one forward + backward under ``FlopCounterMode`` for FLOPs.
     The profile's peak, and the budgets of plans made from it, are the peak of that iteration (NOTE
-    [ What a step's peak means ] in ``remat.measure.trace``; ``Profile.loop`` records it). The model is
+    [ What a step's peak means ] in ``remat.core.trace``; ``Profile.loop`` records it). The model is
     left exactly as it was: parameters, gradients, buffers (BatchNorm statistics), RNG state,
     train/eval mode, the optimizer's state and any remat plan applied to it.
 
@@ -352,8 +153,6 @@ def profile(
     """
     if repeats < 1 or warmup < 1:
         raise RematError(f"profile: repeats={repeats} and warmup={warmup} must both be >= 1")
-    from remat.apply import _suspended  # local: apply imports profile types
-    from remat.distributed import unwrap
 
     if unwrap(model) is not model:  # DDP: its buckets are not activations; plans fit the module and the wrapper
         log.info("profile: profiling the wrapper's .module")
@@ -364,12 +163,15 @@ def profile(
     dev = device_of(model, inputs)
     n = len(block_list)
 
-    with _suspended(model), iteration(model, inputs, loss_fn, grads=grads, optimizer=optimizer, where="profile") as it:
+    with suspended(model), iteration(model, inputs, loss_fn, grads=grads, optimizer=optimizer, where="profile") as it:
         held = it.warm_up(warmup)
 
         # Memory: every allocation of one iteration, with the boundaries as markers, and when each
         # parameter gradient is first allocated (NOTE [ Gradients in the backward ]).
-        with probe(model, block_list, lambda kind, i: mark(f"{kind}{i}"), track=True) as tracked, _grad_marks(model) as fresh:
+        with (
+            probe(model, block_list, lambda kind, i: mark(f"{kind}{i}"), track=True) as tracked,
+            _grad_marks(model) as fresh,
+        ):
             trace = record_memory(it.step, dev)
         grad_events = _grad_events(trace, fresh)
         _check_order(tracked.calls, tracked.order, block_list)
@@ -413,7 +215,14 @@ def profile(
     prof = _assemble(model, block_list, tracked, trace, runs, step_ms, _times(flop_events), held, dev, n, grad_events)
     prof = replace(prof, loop=it.loop)
     bps = tuple(
-        replace(bp, gap_bytes=gaps[i], pinned_bytes=pinned[i][0], pinned_out_bytes=pinned[i][1], reused_bytes=reused[i], unlinked_bytes=tracked.unlinked[i])
+        replace(
+            bp,
+            gap_bytes=gaps[i],
+            pinned_bytes=pinned[i][0],
+            pinned_out_bytes=pinned[i][1],
+            reused_bytes=reused[i],
+            unlinked_bytes=tracked.unlinked[i],
+        )
         for i, bp in enumerate(prof.block_profiles)
     )
     return replace(prof, block_profiles=bps, is_chain=chain)
@@ -430,24 +239,28 @@ def profile(
 
 
 def _pinned(
-    model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor], block_list: Sequence[Block], dev: torch.device
+    model: nn.Module,
+    inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor],
+    block_list: Sequence[Block],
+    dev: torch.device,
 ) -> list[tuple[int, int]]:
     members = resolve(model, block_list)
-    params = set(_storages(list(model.parameters()), set()))
+    params = set(storages(list(model.parameters()), set()))
     outs: list[set[int]] = [set() for _ in block_list]
     handles = []
     last_inputs: set[int] = set()  # alive at the end of the last block because it is running on them
 
     def pre(_m: nn.Module, args: Any, i: int) -> None:
         if i == len(members) - 1:
-            last_inputs.update(_storages(args, params))
+            last_inputs.update(storages(args, params))
         mark(f"P{i}")
 
     for i, mods in enumerate(members):
         handles.append(mods[0].register_forward_pre_hook(lambda _m, a, i=i: pre(_m, a, i)))
 
         def post(_m: nn.Module, _a: Any, out: Any, i: int = i) -> None:
-            outs[i].update(_storages(out, params))
+            outs[i].update(storages(out, params))
             mark(f"p{i}")
 
         handles.append(mods[-1].register_forward_hook(post))
@@ -478,7 +291,7 @@ def _pinned(
     return [(a, b) for a, b in result]
 
 
-def _reused(tracked: _Probe) -> list[int]:
+def _reused(tracked: Probe) -> list[int]:
     """Bytes of each block's own output that a block other than the next one takes (a U-Net's skip):
     held until that block's backward, also when the producing block is inside a segment."""
     n = len(tracked.linked)
@@ -539,7 +352,9 @@ def _grad_events(trace: MemoryTrace, fresh: list[nn.Parameter]) -> list[tuple[in
     return sorted(out)
 
 
-def _grad_owners(grad_events: list[tuple[int, int]], bwd_start: list[int], tail_start: int) -> tuple[list[int], int, int]:
+def _grad_owners(
+    grad_events: list[tuple[int, int]], bwd_start: list[int], tail_start: int
+) -> tuple[list[int], int, int]:
     """Gradient bytes first allocated in each block's backward, the head's and the tail's
     (NOTE [ Gradients in the backward ])."""
     n = len(bwd_start)
@@ -560,8 +375,10 @@ def _gaps(trace: MemoryTrace, n: int) -> list[int]:
     marks = {name: ts[0] for name, ts in trace.mark_times().items()}
     out = []
     for i in range(n):
-        if i + 1 < n and f"f{i}" in marks and f"F{i + 1}" in marks:
-            out.append(trace.level_at(marks[f"F{i + 1}"]) - trace.level_at(marks[f"f{i}"]))
+        if i + 1 < n and f"{Event.FORWARD_END}{i}" in marks and f"{Event.FORWARD}{i + 1}" in marks:
+            out.append(
+                trace.level_at(marks[f"{Event.FORWARD}{i + 1}"]) - trace.level_at(marks[f"{Event.FORWARD_END}{i}"])
+            )
         else:
             out.append(0)
     return out
@@ -585,7 +402,7 @@ def _check_order(calls: list[int], order: list[int], block_list: Sequence[Block]
 def _assemble(
     model: nn.Module,
     block_list: Sequence[Block],
-    tracked: _Probe,
+    tracked: Probe,
     trace: MemoryTrace,
     runs: dict[str, list[list[tuple[str, int, int]]]],
     step_ms: list[float],
@@ -599,7 +416,7 @@ def _assemble(
     # The backward ends where the optimizer's step starts (or the iteration ends).
     end = marks.get("optimizer_start", trace.duration_ns)
 
-    def mt(kind: str, i: int, default: int | None = None) -> int:
+    def mt(kind: Event, i: int, default: int | None = None) -> int:
         key = f"{kind}{i}"
         if key in marks:
             return marks[key]
@@ -615,7 +432,9 @@ def _assemble(
 
     def block_ms(i: int, config: str) -> float:
         # Forward plus backward of block i in a configuration (recomputation included).
-        return ms(("F", i), ("f", i), config) + ms(("B", i), ("b", i), config)
+        return ms((Event.FORWARD, i), (Event.FORWARD_END, i), config) + ms(
+            (Event.BACKWARD, i), (Event.BACKWARD_END, i), config
+        )
 
     def fl(a: tuple[str, int], b: tuple[str, int]) -> int:
         return max(0, flops.get(b, flops.get(("end", 0), 0)) - flops.get(a, 0))
@@ -628,16 +447,21 @@ def _assemble(
     # A block whose output needs no gradient (frozen, LoRA-style) has no backward: a zero-length
     # one where the next block's backward ends (or the backward ends).
     bwd_start = [
-        mt("B", i, next((marks[k] for k in (f"b{j}" for j in range(i + 1, n)) if k in marks), end)) for i in range(n)
+        mt(
+            Event.BACKWARD,
+            i,
+            next((marks[k] for k in (f"{Event.BACKWARD_END}{j}" for j in range(i + 1, n)) if k in marks), end),
+        )
+        for i in range(n)
     ]
-    tail_start = mt("b", 0, end)
+    tail_start = mt(Event.BACKWARD_END, 0, end)
     grads, head_grads, tail_grads = _grad_owners(grad_events, bwd_start, tail_start)
     sub_index = 0
     profiles = []
     for i, b in enumerate(block_list):
-        f0, f1 = mt("F", i), mt("f", i)
+        f0, f1 = mt(Event.FORWARD, i), mt(Event.FORWARD_END, i)
         b0 = bwd_start[i]
-        b1 = mt("b", i, b0 if f"B{i}" not in marks else end)
+        b1 = mt(Event.BACKWARD_END, i, b0 if f"{Event.BACKWARD}{i}" not in marks else end)
         # NOTE [ Gradients in the backward ]: the gradients allocated before this backward started.
         grads_before = sum(size for t, size in grad_events if t < b0)
         l_f0 = trace.level_at(f0)
@@ -655,10 +479,10 @@ def _assemble(
                     fqn=fqn,
                     saved_bytes=sum(saved.values()) - held_inputs - rng_bytes,
                     output_bytes=sum(tracked.outputs[slot].values()),
-                    fwd_ms=ms(("S", sub_index), ("s", sub_index)),
+                    fwd_ms=ms((Event.SUB, sub_index), (Event.SUB_END, sub_index)),
                     # NOTE [ Measured checkpoint costs ]: the block's extra time with this sub checkpointed.
                     extra_ms=max(
-                        ms(("S", sub_index), ("s", sub_index)),
+                        ms((Event.SUB, sub_index), (Event.SUB_END, sub_index)),
                         block_ms(i, "attention_fqns" if fqn in b.attention_fqns else "ffn_fqns") - plain_ms,
                     ),
                 )
@@ -676,13 +500,15 @@ def _assemble(
                 # rest of the difference (the gradient of its output) is then charged to every block's
                 # backward, where it is really held.
                 bwd_peak_bytes=trace.peak_between(b0, b1) - trace.level_at(f1) - grads_before,
-                fwd_ms=ms(("F", i), ("f", i)),
-                bwd_ms=ms(("B", i), ("b", i)),
+                fwd_ms=ms((Event.FORWARD, i), (Event.FORWARD_END, i)),
+                bwd_ms=ms((Event.BACKWARD, i), (Event.BACKWARD_END, i)),
                 # NOTE [ Measured checkpoint costs ]: what checkpointing the block adds beyond its plain
                 # forward + backward, at least one more forward.
-                ckpt_fwd_ms=max(ms(("F", i), ("f", i)), block_ms(i, "full") - plain_ms - call_ms),
-                fwd_flops=fl(("F", i), ("f", i)),
-                bwd_flops=fl(("B", i), ("b", i)),
+                ckpt_fwd_ms=max(
+                    ms((Event.FORWARD, i), (Event.FORWARD_END, i)), block_ms(i, "full") - plain_ms - call_ms
+                ),
+                fwd_flops=fl((Event.FORWARD, i), (Event.FORWARD_END, i)),
+                bwd_flops=fl((Event.BACKWARD, i), (Event.BACKWARD_END, i)),
                 subs=tuple(subs),
                 output_saved_bytes=sum(v for k, v in tracked.outputs[i].items() if k in tracked.saved[i]),
                 own_output_bytes=sum(v for k, v in tracked.outputs[i].items() if k not in tracked.inputs[i]),
@@ -691,8 +517,8 @@ def _assemble(
                 grad_bytes=grads[i],
             )
         )
-    start0, last_end = mt("F", 0), mt("f", n - 1)
-    last_bwd = mt("B", n - 1, mt("b", n - 1, end))
+    start0, last_end = mt(Event.FORWARD, 0), mt(Event.FORWARD_END, n - 1)
+    last_bwd = mt(Event.BACKWARD, n - 1, mt(Event.BACKWARD_END, n - 1, end))
     base = trace.level_at(start0)
     optimizer_ms = median([(t[("end", 0)] - t[("backward_end", 0)]) / 1e6 for t in timings.get("plain", [])])
     return Profile(
@@ -709,7 +535,7 @@ def _assemble(
         pre_peak_bytes=trace.peak_between(0, start0),
         head_input_bytes=profiles[-1].own_output_bytes,
         head_peak_bytes=trace.peak_between(last_end, last_bwd) - trace.level_at(last_end),
-        head_ms=ms(("f", n - 1), ("B", n - 1)),
+        head_ms=ms((Event.FORWARD_END, n - 1), (Event.BACKWARD, n - 1)),
         tail_peak_bytes=max(0, trace.peak_between(tail_start, end) - base),
         head_grad_bytes=head_grads,
         tail_grad_bytes=tail_grads,

@@ -8,9 +8,7 @@ from typing import ClassVar
 
 from remat._json import Reader, load
 from remat.blocks import Block
-from remat.measure.trace import Grads, Loop
-from remat.plan.chain import Chain
-from remat.plan.types import block_to_json
+from remat.core.trace import Grads, Loop
 
 __all__ = ["BlockProfile", "SubProfile", "Profile"]
 
@@ -182,40 +180,6 @@ class Profile:
     optimizer_peak_bytes: int = 0
     optimizer_ms: float = 0.0
 
-    def chain(self) -> Chain:
-        """The solver's view (see NOTE [ Chain cost model ] in ``remat.plan.chain``)."""
-        bps = self.block_profiles
-        return Chain(
-            fwd_ms=tuple(b.fwd_ms for b in bps) + (self.head_ms,),
-            bwd_ms=tuple(b.bwd_ms for b in bps) + (0.0,),
-            # What a segment ending before block k leaves: block k-1's own output (arguments every block
-            # receives, a mask, rotary tables, are held before block 0 and counted once, in base_bytes).
-            x_bytes=(bps[0].input_bytes, *(b.own_output_bytes for b in bps[:-1]), self.head_input_bytes),
-            keep_bytes=tuple(b.keep_bytes for b in bps) + (0,),
-            fwd_peak_bytes=tuple(b.fwd_peak_bytes for b in bps) + (self.head_peak_bytes,),
-            bwd_peak_bytes=tuple(b.bwd_peak_bytes for b in bps) + (0,),
-            base_bytes=self.base_bytes,
-            pre_peak_bytes=self.pre_peak_bytes,
-            # After block 0's backward nothing depends on the plan: the rest of the backward, then the
-            # optimizer's step (measured above the held memory, every gradient allocated).
-            tail_peak_bytes=max(self.tail_peak_bytes, self.optimizer_peak_bytes - self.base_bytes),
-            out_free_bytes=tuple(b.output_bytes - b.output_saved_bytes for b in bps) + (0,),
-            ckpt_fwd_ms=tuple(max(b.ckpt_fwd_ms, b.fwd_ms) for b in bps) + (self.head_ms,),
-            ckpt_call_ms=self.ckpt_call_ms,
-            ckpt_state_bytes=self.ckpt_state_bytes,
-            gap_bytes=tuple(b.gap_bytes for b in bps) + (0,),
-            pinned_bytes=tuple(b.pinned_bytes for b in bps) + (0,),
-            pinned_out_bytes=tuple(b.pinned_out_bytes for b in bps) + (0,),
-            reused_bytes=tuple(b.reused_bytes for b in bps) + (0,),
-            unlinked_bytes=tuple(b.unlinked_bytes for b in bps) + (0,),
-            recomputable=tuple(not b.stateful for b in bps) + (True,),
-            joinable=tuple(
-                i + 1 >= len(bps) or (b.chainable and b.reused_bytes == 0 and bps[i + 1].linked) for i, b in enumerate(bps)
-            )
-            + (True,),
-            grad_bytes=tuple(b.grad_bytes for b in bps) + (self.head_grad_bytes,),
-        )
-
     def sub_costs(self) -> dict[tuple[int, tuple[str, ...]], tuple[int, float]]:
         """For ``RecomputeSub``: (bytes freed, recompute ms) of checkpointing each block's attention / FFN subs."""
         out: dict[tuple[int, tuple[str, ...]], tuple[int, float]] = {}
@@ -233,7 +197,7 @@ class Profile:
         """Serialise to a JSON string (with ``schema_version``)."""
         data = asdict(self)
         data["schema_version"] = self.schema_version
-        data["blocks"] = [block_to_json(b) for b in self.blocks]
+        data["blocks"] = [b.to_json() for b in self.blocks]
         return json.dumps(data, indent=2)
 
     @classmethod
@@ -247,13 +211,21 @@ class Profile:
             RematError: If the text is not a profile of this schema version, lacks a required field,
                 mistypes one, or its blocks and block figures do not match one to one, in order.
         """
-        reader = Reader("profile", "profile the model again: remat.profile(...).to_json() or `remat profile MODEL --out profile.json`")
+        reader = Reader(
+            "profile",
+            "profile the model again: remat.profile(...).to_json() or `remat profile MODEL --out profile.json`",
+        )
         prof = reader.build(cls, load(text, reader, cls.schema_version))
         if len(prof.block_profiles) != len(prof.blocks):
-            raise reader.error("block_profiles", f"has {len(prof.block_profiles)} entries for {len(prof.blocks)} blocks, expected one per block")
+            raise reader.error(
+                "block_profiles",
+                f"has {len(prof.block_profiles)} entries for {len(prof.blocks)} blocks, expected one per block",
+            )
         for i, b in enumerate(prof.blocks):
             if b.index != i:
-                raise reader.error(f"blocks[{i}].index", f"is {b.index}, expected {i} (blocks are listed in forward order from 0)")
+                raise reader.error(
+                    f"blocks[{i}].index", f"is {b.index}, expected {i} (blocks are listed in forward order from 0)"
+                )
         return prof
 
     def summary(self) -> str:
@@ -291,7 +263,9 @@ class Profile:
         with_subs = [b.name for b, bp in zip(self.blocks, self.block_profiles) if bp.subs]
         if with_subs:
             lines.append(f"  attention / MLP found in {len(with_subs)} of {n} blocks (they may be recomputed alone)")
-        stateful = [f"{b.name} ({', '.join(bp.stateful)})" for b, bp in zip(self.blocks, self.block_profiles) if bp.stateful]
+        stateful = [
+            f"{b.name} ({', '.join(bp.stateful)})" for b, bp in zip(self.blocks, self.block_profiles) if bp.stateful
+        ]
         if stateful:
             lines.append(f"  stateful blocks, always kept: {', '.join(stateful)}")
         return "\n".join(lines)

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
+from remat.core.ops import validate_ops
 from remat.errors import RematError
 from remat.measure.compare import BenchResult, BenchRow, separable
 from remat.measure.timeline import Timeline
-from remat.plan.chain import validate_ops
-from remat.plan.planner import Frontier
+from remat.plan.frontier import Frontier
 from remat.plan.types import LEGEND, Fate, Plan, ops_from_text
 from remat.profile.types import Profile
 from remat.report.plots import baseline_step_ms
@@ -121,7 +121,8 @@ def _table(
     body = []
     for i, row in enumerate(rows):
         cells = "".join(
-            f'<td class="num">{_e(c)}</td>' if j >= numeric_from and j not in text else f"<td>{_e(c)}</td>" for j, c in enumerate(row)
+            f'<td class="num">{_e(c)}</td>' if j >= numeric_from and j not in text else f"<td>{_e(c)}</td>"
+            for j, c in enumerate(row)
         )
         cls = ' class="chosen"' if i == highlight else ""
         body.append(f"<tr{cls}>{cells}</tr>")
@@ -161,7 +162,9 @@ def _reuse(command: str, directory: Path) -> tuple[str, str]:
     except ValueError:
         words = []
     if words[:2] == ["remat", "report"] and len(words) > 2 and not words[2].startswith("-"):
-        model = [words[2]] + [w for i, w in enumerate(words) if w.startswith("--set") or (i and words[i - 1] == "--set")]
+        model = [words[2]] + [
+            w for i, w in enumerate(words) if w.startswith("--set") or (i and words[i - 1] == "--set")
+        ]
     return (
         shlex.join(["remat", "measure", *model, "--plan", path]),
         f"from remat.plan import Plan; remat.apply(model, Plan.from_json(Path({path!r}).read_text()))",
@@ -219,7 +222,9 @@ def verdict(plan: Plan, result: BenchResult, profile: Profile) -> str:
     return text + "."
 
 
-def _frontier_rows(frontier: Frontier, plan: Plan, profile: Profile, base_ms: float) -> tuple[list[list[str]], int | None]:
+def _frontier_rows(
+    frontier: Frontier, plan: Plan, profile: Profile, base_ms: float
+) -> tuple[list[list[str]], int | None]:
     """One row per optimal point, by rising peak: predicted peak, its share of the plain peak, extra time,
     and what it recomputes; the chosen plan is among them (added when the frontier's budgets missed it).
 
@@ -228,7 +233,11 @@ def _frontier_rows(frontier: Frontier, plan: Plan, profile: Profile, base_ms: fl
     """
     points = [(p.peak_bytes, p.extra_ms, p.ops) for p in frontier.points]
     chosen = plan.describe()
-    if plan.predicted_peak_bytes is not None and plan.predicted_extra_ms is not None and chosen not in {p[2] for p in points}:
+    if (
+        plan.predicted_peak_bytes is not None
+        and plan.predicted_extra_ms is not None
+        and chosen not in {p[2] for p in points}
+    ):
         points.append((plan.predicted_peak_bytes, plan.predicted_extra_ms, chosen))
     points.sort(key=lambda p: (p[0], p[1]))
     rows = []
@@ -303,7 +312,7 @@ def write_report(
     Raises:
         MissingExtraError: If the charts must be drawn and matplotlib is not installed.
     """
-    import remat  # the version; remat imports nothing from remat.report
+    from remat._version import __version__
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
@@ -317,7 +326,7 @@ def write_report(
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     warning = noise_warning(result)
     measure_cmd, apply_call = _reuse(command, d)
-    env = f"remat {remat.__version__}, torch {torch.__version__}, Python {platform.python_version()}, {profile.device}"
+    env = f"remat {__version__}, torch {torch.__version__}, Python {platform.python_version()}, {profile.device}"
 
     parts = [
         "<!DOCTYPE html>",
@@ -336,7 +345,12 @@ def write_report(
                 ("workload", desc),
                 ("model class", profile.model),
                 ("device", profile.device),
-                ("blocks", f"{len(profile.blocks)} ({profile.blocks[0].name} to {profile.blocks[-1].name})" if profile.blocks else "0"),
+                (
+                    "blocks",
+                    f"{len(profile.blocks)} ({profile.blocks[0].name} to {profile.blocks[-1].name})"
+                    if profile.blocks
+                    else "0",
+                ),
                 ("blocks form a chain", "yes" if profile.is_chain else "no"),
                 ("held before a step", format_bytes(profile.held_bytes) + f" ({profile.loop.describe()})"),
                 ("plain peak above that", format_bytes(profile.peak_bytes)),
@@ -353,7 +367,9 @@ def write_report(
         f"<p>Saved as <code>{REPORT_PLAN}</code> next to this report; measure it on its own with "
         f"<code>{_e(measure_cmd)}</code>, or apply it in Python with <code>{_e(apply_call)}</code>.</p>",
         "<h3>Predicted against measured</h3>",
-        _table(("figure", "predicted", "measured", "measured vs predicted"), _versus_rows(plan, row, base_ms, timelines)),
+        _table(
+            ("figure", "predicted", "measured", "measured vs predicted"), _versus_rows(plan, row, base_ms, timelines)
+        ),
     ]
     verdicts = [v for v in budget_verdicts(result) if v != warning]  # the warning opens the report
     if verdicts:
@@ -375,7 +391,10 @@ def write_report(
         f"the predicted recompute time. The column “blocks recomputed” counts {_e(RECOMPUTED_NOTE)}.</p>",
         _table(BENCH_HEADERS, bench_rows(result), highlight=chosen_index),
         "<h2>Timelines</h2>",
-        _table(("plan", "timeline peak", "bench peak", "timeline vs bench", "step (under profiler)"), _timeline_rows(timelines, result)),
+        _table(
+            ("plan", "timeline peak", "bench peak", "timeline vs bench", "step (under profiler)"),
+            _timeline_rows(timelines, result),
+        ),
         "<h2>Profile</h2>",
         f"<p>Every block of the plain model measured on its batch (medians of timed steps). "
         f"Blocks form a chain: {'yes' if profile.is_chain else 'no'}.</p>",
@@ -398,7 +417,9 @@ def write_report(
     html_path = d / REPORT_HTML
     html_path.write_text("\n".join(parts), encoding="utf-8")
     md_path = d / REPORT_MD
-    md_path.write_text(_markdown(d, profile, plan, result, timelines, command, desc, row, base_ms, charts), encoding="utf-8")
+    md_path.write_text(
+        _markdown(d, profile, plan, result, timelines, command, desc, row, base_ms, charts), encoding="utf-8"
+    )
     log.info("wrote %s, %s and %s", html_path, md_path, plan_path)
     return html_path, md_path
 
@@ -426,7 +447,9 @@ def _versus_rows(plan: Plan, row: BenchRow | None, base_ms: float, timelines: Se
         rows.append(["budget", format_bytes(plan.budget_bytes), verdict, ratio_pct(row.peak_bytes, plan.budget_bytes)])
     for tl in timelines:
         if tl.plan == plan.strategy:
-            rows.append(["timeline peak", "-", format_bytes(tl.peak_bytes), ratio_pct(tl.peak_bytes, plan.predicted_peak_bytes)])
+            rows.append(
+                ["timeline peak", "-", format_bytes(tl.peak_bytes), ratio_pct(tl.peak_bytes, plan.predicted_peak_bytes)]
+            )
     return rows
 
 
@@ -508,14 +531,22 @@ def _markdown(
     for cells in bench_rows(result):
         lines.append("| " + " | ".join(_md_escape(c) for c in cells) + " |")
     if timelines:
-        lines += ["", "## Timelines", "", "| plan | timeline peak | bench peak | timeline vs bench |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "## Timelines",
+            "",
+            "| plan | timeline peak | bench peak | timeline vs bench |",
+            "|---|---|---|---|",
+        ]
         for cells in _timeline_rows(timelines, result):
             lines.append("| " + " | ".join(_md_escape(c) for c in cells[:4]) + " |")
     lines += ["", "## Charts", ""]
     for name in ("timeline", "tradeoff", "comparison", "heatmap"):
         if name in charts:
             p = Path(charts[name]).resolve()
-            link = p.relative_to(directory.resolve()).as_posix() if p.is_relative_to(directory.resolve()) else p.as_uri()
+            link = (
+                p.relative_to(directory.resolve()).as_posix() if p.is_relative_to(directory.resolve()) else p.as_uri()
+            )
             lines += [f"### {_CHART_TITLES[name]}", "", f"![{name}]({link})", ""]
     lines += ["", f"Full report with the profile table: [{REPORT_HTML}]({REPORT_HTML})", ""]
     return "\n".join(lines)

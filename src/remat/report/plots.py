@@ -14,11 +14,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from remat.core.ops import Recompute
 from remat.errors import MissingExtraError, RematError
 from remat.measure.compare import BenchResult, BenchRow
 from remat.measure.timeline import Timeline
-from remat.plan.chain import Recompute
-from remat.plan.planner import Frontier
+from remat.plan.frontier import Frontier
 from remat.plan.types import Fate, Plan, sub_kind, times_in_words
 from remat.profile.types import Profile
 from remat.units import format_bytes, format_ms
@@ -78,7 +78,9 @@ def _figure(width_in: float, height_in: float) -> Figure:
 def _target(path: str | Path) -> Path:
     out = Path(path)
     if out.suffix.lower() not in _FORMATS:
-        raise RematError(f"report: cannot write a chart to {str(out)!r}; give a file name ending in {' or '.join(_FORMATS)}")
+        raise RematError(
+            f"report: cannot write a chart to {str(out)!r}; give a file name ending in {' or '.join(_FORMATS)}"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     return out
 
@@ -138,7 +140,14 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path) -> Path:
         xs = [0.0, *(t / t_div for t in tl.t_ms), tl.duration_ms / t_div]
         level = [0, *tl.bytes]
         ys = [v / b_div for v in (*level, level[-1])]
-        ax.plot(xs, ys, drawstyle="steps-post", color=color, linewidth=1.4, label=f"{tl.plan}: peak {format_bytes(tl.peak_bytes)}")
+        ax.plot(
+            xs,
+            ys,
+            drawstyle="steps-post",
+            color=color,
+            linewidth=1.4,
+            label=f"{tl.plan}: peak {format_bytes(tl.peak_bytes)}",
+        )
         ax.fill_between(xs, ys, step="post", color=color, alpha=0.07)
         peak_y = (max(tl.bytes) if tl.bytes else 0) / b_div
         ax.plot([tl.peak_ms / t_div], [peak_y], marker="v", color=color, markersize=8, zorder=5)
@@ -160,7 +169,9 @@ def plot_timelines(timelines: Sequence[Timeline], path: str | Path) -> Path:
     ax.set_xlim(0, end_ms / t_div)
     held = timelines[0].held_bytes
     ax.set_ylabel(f"memory allocated above the\n{format_bytes(held)} held before the step ({b_unit})")
-    ax.set_title(f"Memory over one training step ({timelines[0].device}); dashed lines: where each backward starts", loc="left")
+    ax.set_title(
+        f"Memory over one training step ({timelines[0].device}); dashed lines: where each backward starts", loc="left"
+    )
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper right", fontsize=9, framealpha=0.9)
     ax.tick_params(labelbottom=False)
@@ -192,7 +203,9 @@ def _draw_lanes(band: Axes, timelines: Sequence[Timeline], t_div: float) -> None
                 linewidth=0.6,
             )
     band.set_ylim(0, lanes)
-    band.set_yticks([lanes - 1 - i + 0.5 for i in range(lanes)], [_shorten(tl.plan, 22) for tl in timelines], fontsize=9)
+    band.set_yticks(
+        [lanes - 1 - i + 0.5 for i in range(lanes)], [_shorten(tl.plan, 22) for tl in timelines], fontsize=9
+    )
     band.grid(True, axis="x", alpha=0.3)
     handles = [Patch(color=c, label=f"block {k}") for k, c in _KIND_COLORS.items()]
     handles += [Patch(color=c, label=f"{k} phase") for k, c in _PHASE_COLORS.items()]
@@ -237,7 +250,16 @@ def plot_tradeoff(result: BenchResult, frontier: Frontier, path: str | Path) -> 
         order = sorted(range(len(fx)), key=lambda i: fx[i])
         xs = [fx[i] / t_div for i in order]
         ys = [fy[i] / b_div for i in order]
-        ax.plot(xs, ys, drawstyle="steps-post", color="black", linewidth=1.2, alpha=0.8, label="optimal frontier (predicted)", zorder=2)
+        ax.plot(
+            xs,
+            ys,
+            drawstyle="steps-post",
+            color="black",
+            linewidth=1.2,
+            alpha=0.8,
+            label="optimal frontier (predicted)",
+            zorder=2,
+        )
         ax.scatter(xs, ys, s=14, color="black", alpha=0.6, zorder=2)
     for i, r in enumerate(result.rows):
         ax.scatter(
@@ -303,7 +325,9 @@ def _decisions(plan: Plan) -> list[tuple[str, str, str]]:
             base = f.fate.value
         color, cell = _DECISIONS[base]
         if f.times > 1:
-            out.append((f"{base}, {times_in_words(f.times)}", _NESTED_COLORS[min(f.times - 2, 2)], f"{cell}\n{f.times}×"))
+            out.append(
+                (f"{base}, {times_in_words(f.times)}", _NESTED_COLORS[min(f.times - 2, 2)], f"{cell}\n{f.times}×")
+            )
         else:
             out.append((base, color, cell))
     return out
@@ -360,8 +384,18 @@ def plot_heatmap(profile: Profile, plan: Plan, path: str | Path) -> Path:
     fig = _figure(width, 4.2)
     axes = fig.subplots(3, 1, sharex=True)
     rows: list[tuple[str, list[float], str, list[str]]] = [
-        (f"saved for\nbackward ({b_unit})", [s / b_div for s in saved], "Blues", _cell_texts([s / b_div for s in saved])),
-        (f"recompute\ntime ({t_unit})", [t / t_div for t in recompute_ms], "Oranges", _cell_texts([t / t_div for t in recompute_ms])),
+        (
+            f"saved for\nbackward ({b_unit})",
+            [s / b_div for s in saved],
+            "Blues",
+            _cell_texts([s / b_div for s in saved]),
+        ),
+        (
+            f"recompute\ntime ({t_unit})",
+            [t / t_div for t in recompute_ms],
+            "Oranges",
+            _cell_texts([t / t_div for t in recompute_ms]),
+        ),
     ]
     annotate = n <= 40
     fontsize = 8 if n <= 16 else 6.5
@@ -371,16 +405,22 @@ def plot_heatmap(profile: Profile, plan: Plan, path: str | Path) -> Path:
         ax.set_yticks([0], [label], fontsize=9)
         if annotate:
             for k, (v, txt) in enumerate(zip(values, texts, strict=True)):
-                ax.text(k, 0, txt, ha="center", va="center", fontsize=fontsize, color="white" if v > 0.65 * hi else "black")
+                ax.text(
+                    k, 0, txt, ha="center", va="center", fontsize=fontsize, color="white" if v > 0.65 * hi else "black"
+                )
     kinds = list(dict.fromkeys((label, color) for label, color, _ in decisions))  # in order of first use
     ax = axes[2]
     index = {label: i for i, (label, _) in enumerate(kinds)}
     palette = ListedColormap([color for _, color in kinds])
-    ax.imshow([[index[label] for label, _, _ in decisions]], cmap=palette, vmin=-0.5, vmax=len(kinds) - 0.5, aspect="auto")
+    ax.imshow(
+        [[index[label] for label, _, _ in decisions]], cmap=palette, vmin=-0.5, vmax=len(kinds) - 0.5, aspect="auto"
+    )
     ax.set_yticks([0], ["the plan"], fontsize=9)
     if annotate:
         for k, (label, _, cell) in enumerate(decisions):
-            ax.text(k, 0, cell, ha="center", va="center", fontsize=fontsize, color="black" if label == "kept" else "white")
+            ax.text(
+                k, 0, cell, ha="center", va="center", fontsize=fontsize, color="black" if label == "kept" else "white"
+            )
     handles = [Patch(facecolor=color, edgecolor="#999999", label=label) for label, color in kinds]
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 4), fontsize=8, frameon=False)
     for edge in _segment_edges(plan)[1:-1]:
@@ -392,8 +432,12 @@ def plot_heatmap(profile: Profile, plan: Plan, path: str | Path) -> Path:
         a.grid(True, which="minor", color="white", linewidth=1.5)
         a.tick_params(which="minor", length=0)
     ax.set_xlabel("block, in forward order (thick lines: where each checkpoint or kept block starts and ends)")
-    peak = f"; predicted peak {format_bytes(plan.predicted_peak_bytes)}" if plan.predicted_peak_bytes is not None else ""
-    axes[0].set_title(textwrap.fill(f"{plan.strategy}: {plan.headline()}{peak}", width=int(width * 11)), loc="left", fontsize=10)
+    peak = (
+        f"; predicted peak {format_bytes(plan.predicted_peak_bytes)}" if plan.predicted_peak_bytes is not None else ""
+    )
+    axes[0].set_title(
+        textwrap.fill(f"{plan.strategy}: {plan.headline()}{peak}", width=int(width * 11)), loc="left", fontsize=10
+    )
     return _save(fig, out)
 
 
@@ -515,7 +559,7 @@ def write_bench_plots(result: BenchResult, profile: Profile, directory: str | Pa
     Raises:
         MissingExtraError: If matplotlib is not installed.
     """
-    from remat.plan.planner import frontier
+    from remat.plan.frontier import frontier
 
     _require_matplotlib()
     d = Path(directory)

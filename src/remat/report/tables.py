@@ -50,7 +50,19 @@ def _gflops(n: int) -> str:
     return f"{n / 1e9:.2f}"
 
 
-PROFILE_HEADERS = ("#", "block", "type", "in MiB", "out MiB", "saved MiB", "fwd tmp MiB", "bwd peak MiB", "fwd ms", "bwd ms", "fwd GFLOP")
+PROFILE_HEADERS = (
+    "#",
+    "block",
+    "type",
+    "in MiB",
+    "out MiB",
+    "saved MiB",
+    "fwd tmp MiB",
+    "bwd peak MiB",
+    "fwd ms",
+    "bwd ms",
+    "fwd GFLOP",
+)
 
 
 def profile_rows(profile: Profile) -> list[list[str]]:
@@ -115,9 +127,7 @@ def plan_tree(plan: Plan) -> Tree:
     return root
 
 
-RECOMPUTED_NOTE = (
-    "blocks recomputed whole (on their own or in segments) + blocks kept with their attention or MLP recomputed ('part')"
-)
+RECOMPUTED_NOTE = "blocks recomputed whole (on their own or in segments) + blocks kept with their attention or MLP recomputed ('part')"
 """What the "recomputed" column of the plan and bench tables counts (:func:`recomputed_cell`)."""
 
 
@@ -181,7 +191,9 @@ def ratio_pct(measured: float, predicted: float | None) -> str:
     return f"{100.0 * (measured / predicted - 1):+.1f}%"
 
 
-def bench_rows(result: BenchResult, *, fits: tuple[str, str] = (" fits", " OVER"), equal: tuple[str, str] = ("yes", "NO")) -> list[list[str]]:
+def bench_rows(
+    result: BenchResult, *, fits: tuple[str, str] = (" fits", " OVER"), equal: tuple[str, str] = ("yes", "NO")
+) -> list[list[str]]:
     """The cells of the bench table (``BENCH_HEADERS``), for the terminal (rich markup) and HTML (plain).
 
     The predicted step is the measured baseline (first row) plus the plan's predicted recomputation.

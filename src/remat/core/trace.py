@@ -100,7 +100,9 @@ def train_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Ten
         RematError: If ``loss_fn`` does not return a scalar tensor that requires grad.
     """
     if not torch.is_grad_enabled():
-        raise RematError("step: gradients are disabled (torch.no_grad() or inference_mode); remat measures training steps, call it with grad enabled")
+        raise RematError(
+            "step: gradients are disabled (torch.no_grad() or inference_mode); remat measures training steps, call it with grad enabled"
+        )
     out = call_model(model, inputs)
     loss = loss_fn(out)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
@@ -160,7 +162,12 @@ def held_bytes(model: nn.Module, inputs: Any, optimizer: torch.optim.Optimizer |
     tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
     tensors += [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     if optimizer is not None:
-        tensors += [t for state in optimizer.state.values() for t in tree_leaves(state) if isinstance(t, torch.Tensor) and t.device == dev]
+        tensors += [
+            t
+            for state in optimizer.state.values()
+            for t in tree_leaves(state)
+            if isinstance(t, torch.Tensor) and t.device == dev
+        ]
     for t in tensors:
         try:
             st = t.untyped_storage()
@@ -317,7 +324,9 @@ def record_memory(step: Callable[[], Any], device: torch.device) -> MemoryTrace:
     )
 
 
-def live_allocations(step: Callable[[], Any], device: torch.device, at: str) -> tuple[dict[int, tuple[int, int]], dict[str, int]]:
+def live_allocations(
+    step: Callable[[], Any], device: torch.device, at: str
+) -> tuple[dict[int, tuple[int, int]], dict[str, int]]:
     """Run ``step`` under the torch profiler; the allocations still alive at the marker ``at``.
 
     Returns:
@@ -444,7 +453,12 @@ class Iteration:
     """
 
     def __init__(
-        self, model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor], loop: Loop, optimizer: torch.optim.Optimizer | None
+        self,
+        model: nn.Module,
+        inputs: Any,
+        loss_fn: Callable[[Any], torch.Tensor],
+        loop: Loop,
+        optimizer: torch.optim.Optimizer | None,
     ) -> None:
         self.model = model
         self.inputs = inputs
@@ -535,7 +549,9 @@ def _optimizer_kept(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             g.update(saved_group)
 
 
-def _optimizer(model: nn.Module, optimizer: OptimizerLike | None, where: str) -> tuple[torch.optim.Optimizer | None, bool]:
+def _optimizer(
+    model: nn.Module, optimizer: OptimizerLike | None, where: str
+) -> tuple[torch.optim.Optimizer | None, bool]:
     """The optimizer to step, and whether it was built here (from a factory) for this measurement only."""
     if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
         return optimizer, False

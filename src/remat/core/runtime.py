@@ -76,10 +76,22 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
+from remat.core.ops import Keep, Op, Recompute, RecomputeSub
+from remat.core.wrapped import unwrap
 from remat.errors import RematError
-from remat.plan.chain import Keep, Op, Recompute, RecomputeSub
 
-__all__ = ["install", "uninstall", "count_forwards", "observed", "run_function", "is_applied_module"]
+__all__ = [
+    "install",
+    "uninstall",
+    "attach",
+    "detach",
+    "attached",
+    "suspended",
+    "count_forwards",
+    "observed",
+    "run_function",
+    "is_applied_module",
+]
 
 Observer = Callable[[nn.Module, bool, bool], None]
 
@@ -165,7 +177,19 @@ class _SaveInputs(torch.autograd.Function):
         raise RuntimeError("remat: internal error, the saved-inputs node was run backward")
 
 
-_PRIMITIVES = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+_PRIMITIVES = (
+    int,
+    float,
+    bool,
+    str,
+    bytes,
+    complex,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.memory_format,
+    torch.layout,
+)
 
 # Argument slots of a recorded call.
 _LINK, _EXT, _OBJ = 0, 1, 2
@@ -534,7 +558,9 @@ class _StateGuard:
             return {n: self.before[n] for n in changed}
         unexpected = [n for n in changed if n not in role.stateful]
         if edited or unexpected:
-            what = f"edits its tensor argument #{edited[0]} in place" if edited else f"updated buffer(s) {unexpected[:4]}"
+            what = (
+                f"edits its tensor argument #{edited[0]} in place" if edited else f"updated buffer(s) {unexpected[:4]}"
+            )
             raise RematError(
                 f"apply: module {role.name!r} {what} in this forward although its first checkpointed call did not; "
                 "its recomputation would not be exact; keep it (a plan that does not recompute it) or remat.apply "
@@ -726,6 +752,73 @@ def uninstall(modules: Sequence[nn.Module]) -> None:
             module.__dict__["forward"] = role.previous_forward
         else:
             module.__dict__.pop("forward", None)
+
+
+# What is installed on a model lives on the model itself (a plain attribute, not in the state_dict), so
+# it travels with copy.deepcopy and pickling. ``tag`` is the value it was installed for (the apply
+# stage's Plan); the rest is what it takes to install it again.
+_APPLIED_ATTR = "_remat_applied"
+
+
+@dataclass(frozen=True)
+class Attached:
+    """An installation on a model: what :func:`attach` installed, and how to install it again."""
+
+    tag: Any
+    ops: tuple[Op, ...]
+    names: tuple[tuple[str, ...], ...]
+    allow_stateful: bool
+    touched: tuple[nn.Module, ...]
+
+
+def holder(model: nn.Module) -> nn.Module:
+    """The module whose ``__dict__`` holds the installation: a DDP wrapper's module when it was made on the
+    unwrapped model (NOTE [ Wrapped models ] in ``remat.core.wrapped``)."""
+    return model if _APPLIED_ATTR in model.__dict__ else unwrap(model)
+
+
+def attach(
+    model: nn.Module,
+    tag: Any,
+    ops: tuple[Op, ...],
+    members: Sequence[list[nn.Module]],
+    names: Sequence[tuple[str, ...]],
+    *,
+    allow_stateful: bool = False,
+) -> None:
+    """:func:`install` ``ops`` on ``model`` in place of what was there, and remember it under ``tag``."""
+    detach(model)
+    touched = install(model, ops, members, names, allow_stateful=allow_stateful)
+    model.__dict__[_APPLIED_ATTR] = Attached(tag, tuple(ops), tuple(map(tuple, names)), allow_stateful, tuple(touched))
+
+
+def attached(model: nn.Module) -> Attached | None:
+    """What :func:`attach` installed on ``model`` (or on the module a DDP wrapper holds), if anything."""
+    entry = holder(model).__dict__.get(_APPLIED_ATTR)
+    return entry if isinstance(entry, Attached) else None
+
+
+def detach(model: nn.Module) -> Any | None:
+    """Undo :func:`attach`; returns its ``tag`` (``None`` when nothing was attached)."""
+    entry = holder(model).__dict__.pop(_APPLIED_ATTR, None)
+    if not isinstance(entry, Attached):
+        return None
+    uninstall(entry.touched)
+    return entry.tag
+
+
+@contextlib.contextmanager
+def suspended(model: nn.Module) -> Iterator[None]:
+    """Run the model plain inside the block (e.g. to profile it), then install again what was attached."""
+    host = holder(model)
+    entry = attached(host)
+    detach(host)
+    try:
+        yield
+    finally:
+        if entry is not None:
+            members = [[host.get_submodule(f) for f in fqns] for fqns in entry.names]
+            attach(host, entry.tag, entry.ops, members, entry.names, allow_stateful=entry.allow_stateful)
 
 
 def is_applied_module(module: nn.Module) -> bool:

@@ -1,4 +1,4 @@
-"""One plan for every rank, and models wrapped for data parallelism.
+"""One plan for every rank.
 
 # NOTE [ One plan for every rank ]
 A plan depends on measured times and bytes, and these differ between ranks (timings always, bytes
@@ -17,15 +17,6 @@ collective (every rank must call it, with the same arguments):
 Profiles stay per rank (``remat.profile`` runs no collective); ``remat.apply`` on each rank checks the
 plan against the model there (its fingerprint), whether the plan came from ``remat.plan`` or from a
 file. Ranks whose profiles are not of the same blocks raise ``PlanMismatchError`` on every rank.
-
-# NOTE [ Wrapped models ]
-``DistributedDataParallel`` (and ``nn.DataParallel``) hold the model as ``.module``: block names gain
-``module.`` and the wrapper's forward adds its own buffers (gradient buckets). Profile the wrapped
-module (``ddp.module``), so these buffers are not charged as activations; ``remat.apply(ddp, plan)``
-takes a plan made on the unwrapped model and applies it to ``ddp.module`` (``remat.remove(ddp)`` and
-``remat.applied(ddp)`` look there too). FSDP2's ``fully_shard`` changes modules in place, keeping their
-names; ``remat.blocks.fingerprint`` hashes the classes they had before sharding and the parameters'
-global shapes, so a plan made before sharding fits the sharded model.
 """
 
 from __future__ import annotations
@@ -36,38 +27,17 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
+from remat.core.wrapped import active, rank
 from remat.errors import PlanMismatchError, RematError
 from remat.plan.types import Plan
 
 if TYPE_CHECKING:
     from remat.profile.types import Profile
 
-__all__ = ["active", "rank", "merge_profiles", "one_plan", "unwrap"]
+__all__ = ["merge_profiles", "one_plan"]
 
 log = logging.getLogger(__name__)
-
-
-def active() -> bool:
-    """Whether a ``torch.distributed`` process group with more than one rank is initialised."""
-    dist = torch.distributed
-    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
-
-
-def rank() -> int:
-    """This process's rank in the default process group (0 without one)."""
-    return int(torch.distributed.get_rank()) if active() else 0
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module a data-parallel wrapper (``DistributedDataParallel``, ``nn.DataParallel``) holds, else ``model``.
-
-    See NOTE [ Wrapped models ].
-    """
-    while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        model = model.module
-    return model
 
 
 def _merge(values: Sequence[Any]) -> Any:

@@ -1,0 +1,246 @@
+"""The forward probe: hooks that report where each block's forward and backward start and end.
+
+The profile times blocks and attributes memory with it; the timeline marks its events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.utils._pytree import tree_leaves
+
+from remat.blocks import Block, resolve
+
+__all__ = ["Event", "Callback", "Probe", "probe", "storages"]
+
+
+class Event(str, Enum):
+    """What the probe reports, with the index of the block (or sub-module) it happened to.
+
+    The values are one letter, so ``f"{event}{index}"`` makes a short profiler mark ("F3").
+    """
+
+    FORWARD = "F"  # a block's forward starts
+    FORWARD_END = "f"  # a block's forward returns
+    BACKWARD = "B"  # gradients reach a block's outputs: its backward starts
+    BACKWARD_END = "b"  # gradients reach a block's inputs: its backward ends
+    SUB = "S"  # an attention/FFN sub-module's forward starts
+    SUB_END = "s"  # it returns
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+Callback = Callable[[Event, int], None]
+
+
+def storages(obj: Any, exclude: set[int]) -> dict[int, int]:
+    """Storage data pointer -> bytes of every tensor in ``obj`` (a pytree) not in ``exclude``."""
+    out: dict[int, int] = {}
+    for leaf in tree_leaves(obj):
+        if isinstance(leaf, torch.Tensor):
+            try:
+                # A DTensor (FSDP2's sharded parameters) or a freed storage has no data pointer: skip it.
+                st = leaf.untyped_storage()
+                ptr = st.data_ptr()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if ptr not in exclude:
+                out[ptr] = st.nbytes()
+    return out
+
+
+def _plain_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    # Buffers other than the running statistics of norms, which remat restores around recomputation.
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, _NormBase):
+            continue
+        for name, buf in sub.named_buffers(recurse=False):
+            yield (f"{prefix}.{name}" if prefix else name), buf
+
+
+class Probe:
+    """Hooks on blocks and sub-modules that report forward/backward boundaries and saved tensors."""
+
+    def __init__(self, model: nn.Module, block_list: Sequence[Block], callback: Callback, *, track: bool) -> None:
+        self.model = model
+        self.members = resolve(model, block_list)
+        self.subs = [model.get_submodule(f) for b in block_list for f in (*b.attention_fqns, *b.ffn_fqns)]
+        self.sub_names = [f for b in block_list for f in (*b.attention_fqns, *b.ffn_fqns)]
+        self.callback = callback
+        self.track = track
+        self.params = set(storages(list(model.parameters()), set()))
+        n, m = len(block_list), len(self.subs)
+        self.saved: list[dict[int, int]] = [{} for _ in range(n + m)]
+        self.inputs: list[dict[int, int]] = [{} for _ in range(n + m)]
+        self.outputs: list[dict[int, int]] = [{} for _ in range(n + m)]
+        self.calls = [0] * n
+        self.order: list[int] = []
+        # Links between blocks (BlockProfile.linked): the previous block's output tensors (weakly, with
+        # their versions) and the storages that existed before the previous block started.
+        self.linked = [True] * n
+        self.unlinked = [0] * n  # bytes of the inputs that made a block not linked
+        self._prev_outs: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        self._prev_inputs: set[int] = set()
+        self._seen: set[int] = set()
+        self._seen_before_prev: set[int] = set()
+        # Stateful forwards (BlockProfile.stateful): buffers before each block's forward.
+        self.stateful: list[tuple[str, ...]] = [()] * n
+        self._buffers_before: dict[int, dict[str, tuple[torch.Tensor, int, torch.Tensor]]] = {}
+        self._active: list[int] = []
+        self._fired: set[tuple[Event, int]] = set()
+        self.handles: list[Any] = []
+        self.tensor_handles: list[Any] = []  # hooks on the step's tensors (inputs may outlive the step)
+
+    def _once(self, kind: Event, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(_grad: torch.Tensor) -> None:
+            if (kind, i) not in self._fired:
+                self._fired.add((kind, i))
+                self.callback(kind, i)
+
+        return hook
+
+    def _pre(self, slot: int, kind: Event, index: int) -> Callable[..., None]:
+        def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self.callback(kind, index)
+            self._active.append(slot)
+            if self.track:
+                self.inputs[slot].update(storages((args, kwargs), self.params))
+            if kind is Event.FORWARD:
+                self.calls[index] += 1
+                self.order.append(index)
+                if self.track:
+                    self._link(index, args, kwargs)
+                for t in tree_leaves((args, kwargs)):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        self.tensor_handles.append(t.register_hook(self._once(Event.BACKWARD_END, index)))
+
+        return hook
+
+    def _post(self, slot: int, kind: Event, index: int) -> Callable[..., None]:
+        def hook(_mod: nn.Module, _args: Any, _kwargs: Any, out: Any) -> None:
+            if self.track:
+                self.outputs[slot].update(storages(out, self.params))
+            if self._active and self._active[-1] == slot:
+                self._active.pop()
+            if kind is Event.FORWARD_END:
+                self._prev_outs = [
+                    (weakref.ref(t), t._version) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                ]
+                if self.track:
+                    self._seen |= set(self.outputs[slot])
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        self.tensor_handles.append(t.register_hook(self._once(Event.BACKWARD, index)))
+            self.callback(kind, index)
+
+        return hook
+
+    def _link(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # Block k's inputs are linked if each is one of block k-1's outputs, unchanged, or a tensor
+        # whose storage existed before block k-1 started (a mask, rotary tables, a bias an earlier
+        # block made): a segment across the boundary then holds nothing that is not held anyway.
+        ok = True
+        if index:
+            allowed = self._seen_before_prev | self._prev_inputs
+            outs = {id(r()): v for r, v in self._prev_outs if r() is not None}
+            for t in tree_leaves((args, kwargs)):
+                if not isinstance(t, torch.Tensor) or (id(t) in outs and outs[id(t)] == t._version):
+                    continue
+                try:
+                    ptr = t.untyped_storage().data_ptr()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if ptr not in allowed and ptr not in self.params:
+                    ok = False
+                    self.unlinked[index] += t.untyped_storage().nbytes()
+        self.linked[index] = ok
+        self._seen_before_prev = set(self._seen)
+        mine = set(storages((args, kwargs), self.params))
+        self._prev_inputs = mine
+        self._seen |= mine
+
+    def _buffer_pre(self, index: int) -> Callable[..., None]:
+        def hook(_mod: nn.Module, _args: Any) -> None:
+            snap: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
+            for mod in self.members[index]:
+                for name, buf in _plain_buffers(mod):
+                    snap[f"{id(mod)}:{name}"] = (buf, buf._version, buf.detach().clone())
+            self._buffers_before[index] = snap
+
+        return hook
+
+    def _buffer_post(self, index: int) -> Callable[..., None]:
+        def hook(_mod: nn.Module, _args: Any, _out: Any) -> None:
+            snap = self._buffers_before.pop(index, {})
+            names = {f"{id(mod)}:{name}": name for mod in self.members[index] for name, _ in _plain_buffers(mod)}
+            changed = [
+                names.get(key, key)
+                for key, (buf, version, copy) in snap.items()
+                if buf._version != version or not torch.equal(buf, copy)
+            ]
+            if changed:
+                self.stateful[index] = tuple(changed)
+
+        return hook
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._active:
+            try:
+                st = t.untyped_storage()
+                ptr, size = st.data_ptr(), st.nbytes()
+            except (RuntimeError, NotImplementedError):
+                return t
+            if ptr not in self.params:
+                for slot in self._active:
+                    self.saved[slot][ptr] = size
+        return t
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[Probe]:
+        n = len(self.members)
+        for i, mods in enumerate(self.members):
+            self.handles.append(mods[0].register_forward_pre_hook(self._pre(i, Event.FORWARD, i), with_kwargs=True))
+            self.handles.append(mods[-1].register_forward_hook(self._post(i, Event.FORWARD_END, i), with_kwargs=True))
+        if self.track:
+            for i, mods in enumerate(self.members):
+                # First of all pre-hooks: a hook may update state too (spectral norm's power iteration).
+                self.handles.append(mods[0].register_forward_pre_hook(self._buffer_pre(i), prepend=True))
+                self.handles.append(mods[-1].register_forward_hook(self._buffer_post(i)))
+        for j, sub in enumerate(self.subs):
+            self.handles.append(sub.register_forward_pre_hook(self._pre(n + j, Event.SUB, j), with_kwargs=True))
+            self.handles.append(sub.register_forward_hook(self._post(n + j, Event.SUB_END, j), with_kwargs=True))
+        ctx = (
+            torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+            if self.track
+            else contextlib.nullcontext()
+        )
+        try:
+            with ctx:
+                yield self
+        finally:
+            self._prev_outs = []
+            self._buffers_before.clear()
+            for h in (*self.handles, *self.tensor_handles):
+                h.remove()
+            self.handles.clear()
+            self.tensor_handles.clear()
+
+
+@contextlib.contextmanager
+def probe(model: nn.Module, block_list: Sequence[Block], callback: Callback, *, track: bool = False) -> Iterator[Probe]:
+    """Report ``(event, index)`` at each block's forward start and end, backward start and end, and each
+    attention/FFN sub-module's forward start and end (:class:`Event`); with ``track``, also record the
+    storages each block saves for backward, takes and returns."""
+    with Probe(model, block_list, callback, track=track).installed() as p:
+        yield p
