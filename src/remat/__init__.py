@@ -10,7 +10,7 @@ The pipeline, one verb per stage::
     remat.remove(model)                               # and back
 """
 
-from remat._version import __version__
+from remat._version import __version__ as __version__
 from remat.apply import CheckpointedSequential, applied, apply, checkpoint, remove
 from remat.blocks import Block, LayerType, blocks
 from remat.errors import (
