@@ -420,7 +420,7 @@ def test_transformer_encoder_layer_has_no_ffn_module() -> None:
         (f"layers.{i}", LayerType.OTHER, (f"layers.{i}.self_attn",), ()) for i in range(2)
     ]
     with pytest.raises(RematError, match="found no feed-forward"):
-        remat.ffn_only().ops(remat.blocks(model))
+        remat.plan(model, strategy=remat.ffn_only())
 
 
 @pytest.mark.parametrize("layer", [Misnamed, Mixed])
@@ -430,6 +430,6 @@ def test_attention_and_ffn_checkpointing_is_exact(layer: type[nn.Module]) -> Non
     x = torch.randn(2, 5, 8, requires_grad=True)
     found = remat.blocks(model)
     for strategy in (remat.ffn_only(), remat.attention_only()):
-        ops = strategy.ops(found)
+        ops = remat.plan(found, strategy=strategy).ops
         assert all(isinstance(op, RecomputeSub) for op in ops), ops
         assert remat.check_gradients(model, strategy, x, lambda out: out.square().mean()).equal

@@ -22,7 +22,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"measure"}),
     frozenset({"report"}),
     frozenset({"train", "integrations"}),
-    frozenset({"cli", "__init__", "__main__"}),  # the public facade and the command line
+    frozenset({"cli", "__init__", "_facade", "__main__"}),  # the public facade and the command line
 )
 
 

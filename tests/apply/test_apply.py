@@ -249,6 +249,29 @@ def test_strategy_needing_sizes_without_profile(tiny: Workload) -> None:
         remat.apply(tiny.model, remat.largest(1))
 
 
+def test_the_apply_stage_takes_a_plan_and_the_facade_plans_a_strategy_first(tiny: Workload) -> None:
+    from remat.apply import apply as apply_stage
+    from remat.measure import check_gradients as check_stage
+
+    # One input per verb: the stage refuses a strategy and says how to make the plan ...
+    with pytest.raises(
+        RematError, match=r"apply: expected a Plan, got Full; make one with remat.plan\(model, strategy"
+    ):
+        apply_stage(tiny.model, remat.full())  # type: ignore[arg-type]
+    with pytest.raises(RematError, match=r"check_gradients: expected a Plan, got EveryNth; make one with remat.plan"):
+        check_stage(tiny.model, remat.every_nth(2), tiny.inputs, tiny.loss_fn)  # type: ignore[arg-type]
+    assert remat.applied(tiny.model) is None
+    # ... and remat.apply plans it first: the same plan as remat.plan(model, strategy=...) would make.
+    applied = remat.apply(tiny.model, remat.full())
+    assert applied == remat.plan(tiny.model, strategy="full") == remat.applied(tiny.model)
+    remat.remove(tiny.model)
+    assert apply_stage(tiny.model, remat.plan(tiny.model, strategy="full")) == applied
+    remat.remove(tiny.model)
+    assert remat.check_gradients(tiny.model, remat.every_nth(2), tiny.inputs, tiny.loss_fn).equal
+    with pytest.raises(RematError, match=r"apply: expected a Plan or a strategy, got str; plan it first: remat.plan"):
+        remat.apply(tiny.model, "every_nth(2)")  # type: ignore[arg-type]
+
+
 def test_plan_json_round_trip_applies(small_mlp: Workload) -> None:
     prof = remat.profile(small_mlp.model, small_mlp.inputs, small_mlp.loss_fn, repeats=1, grads="held")
     plan = remat.plan(prof, "60%")
@@ -285,6 +308,10 @@ def test_function_checkpoint_and_checkpointed_sequential() -> None:
     assert list(ref.state_dict()) == list(ckpt.state_dict())
     with pytest.raises(RematError, match=r"segments=9 must be in 1..5"):
         remat.CheckpointedSequential(*layers, segments=9)
+    # Its plan is remat.segments(k)'s on its children (the apply stage builds it without the strategies).
+    for k in (1, 2, 3, 5):
+        plan = remat.applied(remat.CheckpointedSequential(*copy.deepcopy(layers), segments=k))
+        assert plan is not None and plan == remat.plan(ckpt, strategy=remat.segments(k)), k
 
     runs = []
 

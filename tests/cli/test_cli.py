@@ -44,6 +44,20 @@ def test_bench_writes_every_strategy_with_equal_gradients(tmp_path: Path, capsys
     assert "timings not ranked: with 1 round the run-to-run spread cannot be measured" in " ".join(printed.split())
 
 
+def test_bench_out_writes_the_values_that_report_from_reads_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from remat.report import ReportData
+
+    values, plots = tmp_path / "values", tmp_path / "plots"
+    argv = ["bench", *MLP, "--budget", "80%", "--rounds", "1", "--out", str(values), "--plots", str(plots)]
+    assert main(argv) == 0
+    data = ReportData.read(values)
+    assert data.plan.strategy == "optimal @ 80%" and data.result.row_of(data.plan) is not None and not data.timelines
+    assert sorted(p.name for p in plots.iterdir()) == ["comparison.png", "heatmap.png", "tradeoff.png"]
+    assert f"wrote {values / 'frontier.json'}" in capsys.readouterr().out  # `remat report --from`: tests/report
+
+
 def test_profile_and_plan_write_json_that_reads_back(tmp_path: Path) -> None:
     prof_path, plan_path = tmp_path / "profile.json", tmp_path / "plan.json"
     assert main(["profile", *MLP, "--repeats", "1", "--out", str(prof_path)]) == 0
@@ -133,7 +147,7 @@ def nothing_measured(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(f"remat.cli.{module}.run_profile", forbidden)
     monkeypatch.setattr("remat.cli.measure.run_measure", forbidden)
     monkeypatch.setattr("remat.cli.bench.compare", forbidden)
-    monkeypatch.setattr("remat.cli.report.compare", forbidden)
+    monkeypatch.setattr("remat.report.pipeline.compare", forbidden)
 
 
 @pytest.fixture
@@ -375,10 +389,11 @@ def test_bench_does_not_warn_on_steady_timings(
 
 
 def _row(label: str, step_ms: float, spread: float, peak: int, budget: int | None = None) -> BenchRow:
+    solver = label.partition(" @ ")[0] if budget is not None else None  # "optimal @ 50%": the optimal solver's
     return BenchRow(
         label=label, checkpointed=0, n_blocks=4, depth=1, peak_bytes=peak, step_ms=step_ms, step_ms_all=(step_ms,),
         saved_pct=0.0, overhead_pct=0.0, grads_equal=True, forward_counts={}, predicted_peak_bytes=peak,
-        predicted_extra_ms=0.0, budget_bytes=budget, ops="", spread_pct=spread,
+        predicted_extra_ms=0.0, budget_bytes=budget, ops="", spread_pct=spread, solver=solver,
     )  # fmt: skip
 
 

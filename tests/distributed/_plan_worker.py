@@ -71,56 +71,55 @@ def main() -> int:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     # A rank that fails makes the other's next collective time out instead of waiting for 30 minutes.
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=180))
-    try:
-        torch.manual_seed(0)
-        raw = Net(d=32, n=6)
-        torch.manual_seed(1 + rank)  # each rank its own batches
-        batches = [torch.randn(256, 8) for _ in range(STEPS)]
-        plain_grads, plain_params = _train(_wrap(kind, copy.deepcopy(raw))[0], batches)
+    # No destroy_process_group at the end: with gloo it can wait for a peer that has already exited (a
+    # hang seen under load); the caller's os._exit ends the process and its connections.
+    torch.manual_seed(0)
+    raw = Net(d=32, n=6)
+    torch.manual_seed(1 + rank)  # each rank its own batches
+    batches = [torch.randn(256, 8) for _ in range(STEPS)]
+    plain_grads, plain_params = _train(_wrap(kind, copy.deepcopy(raw))[0], batches)
 
-        trained, profiled = _wrap(kind, copy.deepcopy(raw))
-        prof = remat.profile(profiled, batches[0], lambda out: out.pow(2).mean(), repeats=2)
-        plan = remat.plan(prof, "50%")
-        # A plan file written on rank 0 and read on every rank; apply checks it against the model there.
-        path = out_dir / f"plan-{kind}.json"
-        if rank == 0:
-            path.write_text(plan.to_json())
-        dist.barrier()
-        loaded = Plan.from_json(path.read_text())
+    trained, profiled = _wrap(kind, copy.deepcopy(raw))
+    prof = remat.profile(profiled, batches[0], lambda out: out.pow(2).mean(), repeats=2)
+    plan = remat.plan(prof, "50%")
+    # A plan file written on rank 0 and read on every rank; apply checks it against the model there.
+    path = out_dir / f"plan-{kind}.json"
+    if rank == 0:
+        path.write_text(plan.to_json())
+    dist.barrier()
+    loaded = Plan.from_json(path.read_text())
+    remat.apply(trained, loaded)
+    # A plan made on the unwrapped (unsharded) model fits the wrapper, and a wrong one is refused.
+    unwrapped_fits = remat.applied(trained) == loaded
+    if kind == "fsdp":
+        raw_plan = remat.plan(
+            remat.profile(copy.deepcopy(raw), batches[0], lambda out: out.pow(2).mean(), repeats=1), "50%"
+        )
+        remat.apply(trained, raw_plan)
+        unwrapped_fits = unwrapped_fits and remat.applied(trained) == raw_plan
         remat.apply(trained, loaded)
-        # A plan made on the unwrapped (unsharded) model fits the wrapper, and a wrong one is refused.
-        unwrapped_fits = remat.applied(trained) == loaded
-        if kind == "fsdp":
-            raw_plan = remat.plan(
-                remat.profile(copy.deepcopy(raw), batches[0], lambda out: out.pow(2).mean(), repeats=1), "50%"
-            )
-            remat.apply(trained, raw_plan)
-            unwrapped_fits = unwrapped_fits and remat.applied(trained) == raw_plan
-            remat.apply(trained, loaded)
-        try:
-            remat.apply(Net(d=32, n=4), loaded)
-            refused = False
-        except PlanMismatchError:
-            refused = True
-        grads, params = _train(trained, batches)
+    try:
+        remat.apply(Net(d=32, n=4), loaded)
+        refused = False
+    except PlanMismatchError:
+        refused = True
+    grads, params = _train(trained, batches)
 
-        plans: list[str | None] = [None] * world
-        dist.all_gather_object(plans, plan.to_json())
-        step_ms: list[float | None] = [None] * world
-        dist.all_gather_object(step_ms, prof.step_ms)
-        result = {
-            "plans": plans,
-            "step_ms": step_ms,
-            "baseline_step_ms": plan.baseline_step_ms,
-            "applied": applied.describe() if (applied := remat.applied(trained)) else None,
-            "unwrapped_fits": unwrapped_fits,
-            "mismatch_refused": refused,
-            "grads_equal": [_equal(a, b) for a, b in zip(plain_grads, grads)],
-            "params_equal": _equal(plain_params, params),
-        }
-        (out_dir / f"{kind}-r{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
+    plans: list[str | None] = [None] * world
+    dist.all_gather_object(plans, plan.to_json())
+    step_ms: list[float | None] = [None] * world
+    dist.all_gather_object(step_ms, prof.step_ms)
+    result = {
+        "plans": plans,
+        "step_ms": step_ms,
+        "baseline_step_ms": plan.baseline_step_ms,
+        "applied": applied.describe() if (applied := remat.applied(trained)) else None,
+        "unwrapped_fits": unwrapped_fits,
+        "mismatch_refused": refused,
+        "grads_equal": [_equal(a, b) for a, b in zip(plain_grads, grads)],
+        "params_equal": _equal(plain_params, params),
+    }
+    (out_dir / f"{kind}-r{rank}.json").write_text(json.dumps(result))
     return 0
 
 

@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,39 +23,18 @@ from remat.errors import PlanMismatchError
 from remat.models import Workload
 from remat.plan.ranks import merge_profiles, one_plan
 from remat.profile import Profile
+from tests.distributed._launch import free_port, run_ranks
 
 from ..conftest import TinyNet
 
 WORKER = Path(__file__).with_name("_plan_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_every_rank_trains_with_one_plan_and_plain_gradients(kind: str, tmp_path: Path) -> None:
-    port = str(_free_port())
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), kind, str(rank), "2", port, str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), logs
+    port = str(free_port())
+    codes, logs = run_ranks(WORKER, lambda rank: (kind, str(rank), "2", port, str(tmp_path)), tmp_path)
+    assert codes == [0, 0], logs
     results = [json.loads((tmp_path / f"{kind}-r{rank}.json").read_text()) for rank in range(2)]
     for rank, r in enumerate(results):
         # The identical plan on both ranks, made from the merged profiles (the slower rank's step time).

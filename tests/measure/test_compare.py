@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import remat
-from remat.apply import to_plan
 from remat.measure import compare as compare_module
 from remat.measure.compare import BenchResult, BenchRow, compare, separable, spread_pct
+from remat.plan.planner import to_plan
 from tests.conftest import tiny_net_workload
 
 
@@ -80,3 +80,109 @@ def test_separable_needs_a_difference_beyond_both_spreads() -> None:
     assert separable(_row("a", 100.0, 5.0), _row("b", 110.0, 5.0))  # 10% apart, 5% spread
     assert not separable(_row("a", 100.0, 5.0), _row("b", 110.0, 12.0))  # 10% apart, one plan spreads 12%
     assert not separable(_row("a", 100.0, None), _row("b", 200.0, 1.0))  # spread unknown: no claim
+
+
+# --- bench.json: BenchResult round-trips through JSON ---------------------------------------------
+
+
+def _none_and_full(model: torch.nn.Module) -> tuple[remat.Plan, remat.Plan]:
+    """The plain plan and the recompute-everything plan of ``model``'s blocks, made by hand."""
+    from remat.core.ops import Keep, Recompute
+
+    blocks = remat.blocks(model)
+    none = remat.Plan("none", blocks, tuple(Keep(i) for i in range(len(blocks))))
+    return none, remat.Plan("full", blocks, tuple(Recompute(i, i + 1, (Keep(i),)) for i in range(len(blocks))))
+
+
+def test_bench_json_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
+    from remat.measure.compare import BenchPlan
+
+    w = tiny_net_workload()
+    none, full = _none_and_full(w.model)
+    _fake_timer(monkeypatch, [[100.0, 130.0], [101.0, 131.0], [99.0, 129.0]])
+    result = compare(w.model, w.inputs, w.loss_fn, [none, BenchPlan(full, "optimal")], rounds=3)
+    assert [r.plan for r in result.rows] == [none, full] and [r.solver for r in result.rows] == [None, "optimal"]
+    assert BenchResult.from_json(result.to_json()) == result
+    # Rows without a plan (hand-made, or files written before rows carried plans) round-trip too.
+    bare = BenchResult(model="m", device="cpu", held_bytes=3, rounds=1, rows=(_row("a", 1.0, None),))
+    assert BenchResult.from_json(bare.to_json()) == bare
+
+
+def test_a_plan_finds_its_row_by_the_plan_not_by_its_label(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    w = tiny_net_workload()
+    none, full = _none_and_full(w.model)
+    _fake_timer(monkeypatch, [[100.0, 130.0]])
+    result = compare(w.model, w.inputs, w.loss_fn, [none, full], rounds=1)
+    assert result.row_of(full) is result.rows[1] and result.row_of(none) is result.rows[0]
+    assert result.row_of(replace(full, strategy="none")) is None  # same label as a row, another plan
+    # A row read from an older file has no plan: its label and compact form must both match.
+    old = replace(result, rows=tuple(replace(r, plan=None) for r in result.rows))
+    assert old.row_of(full) is old.rows[1] and old.row_of(replace(full, strategy="fully")) is None
+
+
+def _bench_json(change: object) -> str:
+    import json
+
+    data = json.loads(
+        BenchResult(model="m", device="cpu", held_bytes=3, rounds=1, rows=(_row("a", 1.0, 2.0),)).to_json()
+    )
+    change(data)  # type: ignore[operator]
+    return json.dumps(data)
+
+
+FIX = r"measure again with `remat bench MODEL --json bench\.json`"
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda d: d.pop("rows"), rf"^bench json: missing field 'rows'; {FIX}"),
+        (lambda d: d["rows"][0].pop("peak_bytes"), r"^bench json: missing field 'rows\[0\]\.peak_bytes'; "),
+        (lambda d: d.update(rows={}), r"^bench json: field 'rows' is an object, expected a list; "),
+        (lambda d: d["rows"][0].update(step_ms="fast"), r"field 'rows\[0\]\.step_ms' is \"fast\", expected a number"),
+        (lambda d: d["rows"][0].update(forward_counts=[1]), r"field 'rows\[0\]\.forward_counts' is a list of 1, expected an object"),
+        (lambda d: d["loop"].update(grads="kept"), r"field 'loop\.grads' is \"kept\", expected one of \"none\", \"held\""),
+        (lambda d: d.update(schema_version=2), r"^bench json: schema_version 2 is not 1; "),
+        (lambda d: d["rows"][0].update(plan={"strategy": "x"}), r"^bench json: missing field 'rows\[0\]\.plan\.blocks'; "),
+    ],
+)  # fmt: skip
+def test_a_bad_bench_file_names_the_field_and_the_fix(change: object, match: str) -> None:
+    from remat.errors import RematError
+
+    with pytest.raises(RematError, match=match):
+        BenchResult.from_json(_bench_json(change))
+
+
+def test_a_bad_plan_in_a_bench_row_is_named_by_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from remat.errors import RematError
+
+    w = tiny_net_workload()
+    _fake_timer(monkeypatch, [[100.0]])
+    data = json.loads(compare(w.model, w.inputs, w.loss_fn, [_none_and_full(w.model)[1]], rounds=1).to_json())
+    data["rows"][0]["plan"]["ops"].reverse()
+    with pytest.raises(
+        RematError,
+        match=r"^bench json: rows\[0\]\.plan\.ops: plan operation R\[4:5\]\(K4\) at position 0 spans blocks 4\.\.4",
+    ):
+        BenchResult.from_json(json.dumps(data))
+    data["rows"][0]["plan"]["blocks"][0]["index"] = 7
+    with pytest.raises(RematError, match=r"^bench json: field 'rows\[0\]\.plan\.blocks\[0\]\.index' is 7, expected 0"):
+        BenchResult.from_json(json.dumps(data))
+
+
+def test_the_noise_figures_are_written_for_people_and_recomputed_when_read(caplog: pytest.LogCaptureFixture) -> None:
+    import json
+    import logging
+
+    text = _bench_json(lambda d: d.update(rankable=False, noise_pct=99.0))
+    assert json.loads(text)["rankable"] is False
+    with caplog.at_level(logging.WARNING, logger="remat._json"):
+        back = BenchResult.from_json(text)
+    assert back.rankable and back.noise_pct == 2.0 and caplog.text == ""  # from the rows, whatever the file says
+    with caplog.at_level(logging.WARNING, logger="remat._json"):
+        BenchResult.from_json(_bench_json(lambda d: d["rows"][0].update(peak=1)))
+    assert "bench json: ignoring unknown field 'peak' in 'rows[0]'" in caplog.text

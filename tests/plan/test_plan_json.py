@@ -19,6 +19,7 @@ from remat.cli.main import main
 from remat.core.ops import Keep, Op, Recompute, RecomputeSub, ops_from_json, ops_to_json, validate_ops
 from remat.errors import PlanMismatchError, RematError
 from remat.plan.chain import Chain
+from remat.plan.frontier import Frontier, FrontierPoint
 from remat.plan.solver import simulate
 from remat.plan.types import Plan
 from tests.conftest import TinyNet
@@ -384,3 +385,55 @@ def test_measure_reports_a_bad_plan_in_one_line(tmp_path: Path, capsys: pytest.C
     assert err.startswith("error: apply: the plan (full) covers 4 blocks (layers.0..layers.3)"), err
     assert "finds 6 blocks (layers.0..layers.5)" in err
     assert not (tmp_path / "m.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# a plan inside another file, and frontier.json
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_plan_inside_another_file_reads_back_and_is_checked_the_same() -> None:
+    assert Plan.from_dict(json.loads(json.dumps(PLAN.to_dict()))) == PLAN
+    assert "schema_version" not in PLAN.to_dict()
+    assert json.loads(PLAN.to_json()) == {"schema_version": 1, **json.loads(json.dumps(PLAN.to_dict()))}
+    bad = {**json.loads(PLAN.to_json()), "ops": op_list(Keep(0), Keep(2), Keep(3))}
+    del bad["schema_version"]
+    with pytest.raises(RematError, match=r"^plan json: rows\[1\]\.plan\.ops: plan operation K2 at position 1"):
+        Plan.from_dict(bad, path="rows[1].plan")
+
+
+FRONTIER = Frontier(
+    points=(FrontierPoint(1000, 900, 2.5, "R[0:2](K0 K1) K2"), FrontierPoint(2000, 1500, 0.0, "K0 K1 K2")),
+    strategies=(("none", 1500, 0.0), ("full", 700, 4.0)),
+    baseline_peak_bytes=1500,
+    baseline_step_ms=10.0,
+)
+FRONTIER_FIX = r"compute it again with remat\.frontier\(profile\)\.to_json\(\)"
+
+
+def test_frontier_json_round_trip() -> None:
+    assert Frontier.from_json(FRONTIER.to_json()) == FRONTIER
+    empty = Frontier(points=(), strategies=(), baseline_peak_bytes=0, baseline_step_ms=0.0)
+    assert Frontier.from_json(empty.to_json()) == empty
+
+
+def _frontier(change: Callable[[dict[str, Any]], Any]) -> str:
+    data = json.loads(FRONTIER.to_json())
+    change(data)
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda d: d.pop("points"), rf"^frontier json: missing field 'points'; {FRONTIER_FIX}"),
+        (lambda d: d["points"][1].pop("ops"), r"^frontier json: missing field 'points\[1\]\.ops'; "),
+        (lambda d: d["points"][0].update(peak_bytes="1KiB"), r"field 'points\[0\]\.peak_bytes' is \"1KiB\", expected an integer"),
+        (lambda d: d["strategies"][0].pop(), r"field 'strategies\[0\]' has 2 entries, expected 3"),
+        (lambda d: d["strategies"][1].__setitem__(2, None), r"field 'strategies\[1\]\[2\]' is null, expected a number"),
+        (lambda d: d.update(schema_version=3), rf"^frontier json: schema_version 3 is not 1; {FRONTIER_FIX}"),
+    ],
+)  # fmt: skip
+def test_a_bad_frontier_file_names_the_field_and_the_fix(change: Callable[[dict[str, Any]], Any], match: str) -> None:
+    with pytest.raises(RematError, match=match):
+        Frontier.from_json(_frontier(change))

@@ -234,3 +234,34 @@ def test_the_terminal_tree_and_table_use_the_same_words() -> None:
         and re.search(r"optimal\s+8\s", table)
     )
     assert "kept with their attention or MLP" in " ".join(table.split())
+
+
+def test_one_walk_classifies_blocks_for_every_reader() -> None:
+    # block_fates is the walk that classifies; checkpointed, depth, the headline's segment count and the
+    # heatmap's checkpoint edges all read it (Plan.lines is the one that renders).
+    assert [f.op for f in SEGMENTS.fates()] == [0, 1, 1, 2, 2, 3, 4, 5]
+    assert SEGMENTS.checkpointed == (0, 1, 2, 3, 4, 6) and SEGMENTS.depth == 1
+    assert MOSTLY_SUBS.checkpointed == tuple(range(8)) and MOSTLY_SUBS.depth == 1
+    assert NESTED.depth == 2 and [f.op for f in NESTED.fates()] == [0, 0, 0, 0, 1, 1, 1, 1]
+    inside = plan(Recompute(0, 2, (Keep(0), attn(1))), *(Keep(i) for i in range(2, 8)))
+    assert inside.depth == 2 and inside.checkpointed == (0, 1)  # a sub-module checkpointed again inside a segment
+    assert plan(*(Keep(i) for i in range(8))).depth == 0 and plan(*(Keep(i) for i in range(8))).checkpointed == ()
+
+
+def test_an_op_level_policy_is_a_block_kept_in_part() -> None:
+    from remat.core.ops import RecomputeOps
+
+    policy = RecomputeOps(2, save=("addmm#0", "addmm#1"), recompute=("gelu#0",))
+    p = plan(own(0), attn(1), policy, *(Keep(i) for i in range(3, 8)))
+    assert ops_from_text(p.describe()) == p.ops
+    assert [(line.what, p.span(line.blocks)) for line in p.lines()] == [
+        ("recomputed", "blocks.0"),
+        ("kept, attention recomputed", "blocks.1"),
+        ("kept, selected operations recomputed (gelu×1)", "blocks.2"),
+        ("kept", "blocks.3–7"),
+    ]
+    assert p.headline() == "8 blocks: 1 recomputed, 2 kept with their parts recomputed, 5 kept"
+    assert p.fates()[2].fate is Fate.PART and p.fates()[2].op_level and p.checkpointed == (0, 1, 2) and p.depth == 1
+    assert recomputed_cell(p.fates()) == "1 + 2 part"
+    alone = plan(Keep(0), Keep(1), policy, *(Keep(i) for i in range(3, 8)))
+    assert "1 kept with its selected operations recomputed" in alone.headline()

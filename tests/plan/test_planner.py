@@ -8,6 +8,10 @@ import remat
 from remat.core.ops import Recompute
 from remat.errors import BudgetInfeasibleError, RematError
 from remat.models import Workload, workload
+from remat.plan import planner
+from remat.plan.planner import SOLVERS, Solver
+
+from .test_strategies import fake_profile
 
 MIB = 2**20
 
@@ -85,3 +89,22 @@ def test_frontier_trades_memory_for_time_monotonically(small_gpt: Workload) -> N
         if peak >= peaks[0]:
             best = remat.plan(prof, int(peak * 1.002))
             assert best.predicted_extra_ms is not None and best.predicted_extra_ms <= extra + 1e-6, label
+
+
+def test_solvers_are_registry_objects_and_messages_list_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    prof = fake_profile([5, 50, 20, 80], [1.0, 2.0, 1.0, 2.0])
+    assert SOLVERS["optimal"] == Solver("optimal", nests=True, sub_variants=True, op_variants=True)
+    assert SOLVERS["compile"] == Solver("compile", nests=False, sub_variants=True, top_level_variants=True)
+    assert SOLVERS["knapsack"] == Solver("knapsack", nests=False, sub_variants=False)
+    # A solver added to the registry is one remat.plan and remat.frontier use, and the messages name.
+    monkeypatch.setitem(planner.SOLVERS, "single", Solver("single", nests=False, sub_variants=False))
+    single = remat.plan(prof, 220, solver="single")
+    assert single.strategy == "single" and single.ops == remat.plan(prof, 220, solver="knapsack").ops
+    with pytest.raises(
+        RematError, match=r"plan: unknown solver 'greedy'; valid solvers are optimal, knapsack, compile, single \("
+    ):
+        remat.plan(prof, "50%", solver="greedy")
+    with pytest.raises(
+        RematError, match=r"frontier: unknown solver 'greedy'; valid solvers are optimal, knapsack, compile, single"
+    ):
+        remat.frontier(prof, solver="greedy")

@@ -164,7 +164,7 @@ def test_simulate_recompute_sub_needs_costs() -> None:
         ((Recompute(0, 2, (Keep(0),)),), r"inner plan of R\[0:2\]\(K0\): operations cover blocks 0\.\.0 but must"),
         ((Recompute(0, 2, (Keep(1), Keep(0))),), r"inner plan of R\[0:2\]\(K1 K0\): operation K1 at position 0"),
         ((Recompute(0, 2, (Keep(0), R1)),), r"ends its inner plan with R\[1:2\]\(K1\).*must end with Keep\(1\)"),
-        (("K0", Keep(1)), r"operation 'K0' at position 0 is a str; expected Keep, Recompute or RecomputeSub"),
+        (("K0", Keep(1)), r"operation 'K0' at position 0 is a str; expected Keep, Recompute"),
     ],
 )
 def test_simulate_rejects_bad_plans(ops: tuple[Op, ...], match: str) -> None:

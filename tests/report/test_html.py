@@ -1,10 +1,12 @@
-"""The HTML report and its Markdown summary, and ``remat report`` end to end on a small GPT."""
+"""The HTML report and its Markdown summary, drawn from JSON fixtures; ``remat report --from``; and
+``remat report`` end to end on a small GPT (the one test that runs the real pipeline)."""
 
 from __future__ import annotations
 
 import base64
 import io
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +34,9 @@ def decoded_pngs(text: str) -> list[np.ndarray]:
     ]
 
 
-def test_report_embeds_every_chart_and_the_tables(run: dict[str, Any], tmp_path: Path) -> None:
+def test_report_embeds_every_chart_and_the_tables(run: dict[str, Any], charts: dict[str, Path], tmp_path: Path) -> None:
     command = "remat report gpt --budget 60% --set n_layers=3"
-    html_path, md_path = write_report(tmp_path, command=command, description="tiny <GPT> & co", **run)
+    html_path, md_path = write_report(tmp_path, command=command, description="tiny <GPT> & co", charts=charts, **run)
     text = html_path.read_text()
     images = decoded_pngs(text)
     assert len(images) == 4
@@ -53,9 +55,12 @@ def test_report_embeds_every_chart_and_the_tables(run: dict[str, Any], tmp_path:
     assert text.count("<style>") == 1 and "<link" not in text
 
 
-def test_report_opens_with_a_verdict_and_says_the_plan_in_words(run: dict[str, Any], tmp_path: Path) -> None:
+def test_report_opens_with_a_verdict_and_says_the_plan_in_words(
+    run: dict[str, Any], charts: dict[str, Path], tmp_path: Path
+) -> None:
     plan: Plan = run["plan"]
-    html_path, md_path = write_report(tmp_path, command="remat report gpt --budget 60% --set n_layers=3", **run)
+    command = "remat report gpt --budget 60% --set n_layers=3"
+    html_path, md_path = write_report(tmp_path, command=command, charts=charts, **run)
     text = html_path.read_text()
     sentence = verdict(plan, run["result"], run["profile"])
     assert text.index(f'<p class="verdict">{sentence}</p>') < text.index("<h2>Command</h2>")
@@ -112,15 +117,16 @@ def _row(
 def test_the_verdict_claims_a_time_cost_only_beyond_the_spread(
     run: dict[str, Any], plain_spread: float | None, chosen: BenchRow, expected: str
 ) -> None:
+    plan = Plan(strategy="optimal", blocks=run["plan"].blocks, ops=run["plan"].ops)
+    chosen = replace(chosen, plan=plan)  # the row carries the plan it measured: the verdict finds it by that
     result = BenchResult(
         model="m", device="cpu", held_bytes=0, rounds=5, rows=(_row("none", 64.0, 100.0, plain_spread), chosen)
     )
-    plan = Plan(strategy="optimal", blocks=run["plan"].blocks, ops=run["plan"].ops)
     assert verdict(plan, result, run["profile"]) == expected
 
 
-def test_markdown_links_the_charts_next_to_it(run: dict[str, Any], tmp_path: Path) -> None:
-    _, md_path = write_report(tmp_path, command="remat report gpt --budget 60%", **run)
+def test_markdown_links_the_charts_next_to_it(run: dict[str, Any], charts: dict[str, Path], tmp_path: Path) -> None:
+    _, md_path = write_report(tmp_path, command="remat report gpt --budget 60%", charts=charts, **run)
     text = md_path.read_text()
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
     assert sorted(links) == ["comparison.png", "heatmap.png", "timeline.png", "tradeoff.png"]

@@ -70,7 +70,7 @@ def test_heatmap_of_a_plan_for_other_blocks_is_refused(run: dict[str, Any], tmp_
 
 
 def test_bench_plots(run: dict[str, Any], tmp_path: Path) -> None:
-    paths = write_bench_plots(run["result"], run["profile"], tmp_path / "plots")
+    paths = write_bench_plots(run["result"], run["profile"], tmp_path / "plots", frontier=run["frontier"])
     assert [p.name for p in paths] == ["tradeoff.png", "comparison.png", "heatmap.png"]
     for p in paths:
         assert_png_has_content(p)
@@ -87,7 +87,7 @@ def test_missing_matplotlib_is_a_clear_error(
     with pytest.raises(MissingExtraError, match=r"pip install 'remat\[plot\]'"):
         plot_heatmap(run["profile"], run["plan"], tmp_path / "h.png")
     with pytest.raises(MissingExtraError, match=r"pip install 'remat\[plot\]'"):
-        write_bench_plots(run["result"], run["profile"], tmp_path)
+        write_bench_plots(run["result"], run["profile"], tmp_path, frontier=run["frontier"])
     assert not list(tmp_path.glob("*.png"))
 
 

@@ -154,3 +154,35 @@ def test_peak_matches_measure_on_cuda(strategy: str | None) -> None:
     assert tl.device == "cuda"
     assert abs(tl.peak_bytes - m.peak_bytes) <= 0.05 * m.peak_bytes
     assert len(tl.runs("recompute")) == (3 if strategy else 0)
+
+
+def _timeline_json(change: object) -> str:
+    import json
+
+    tl = Timeline(
+        t_ms=(0.0, 1.0), bytes=(10, 0), phases=(Phase("forward", 0.0, 0.5), Phase("backward", 0.5, 1.0)),
+        intervals=(Interval("blocks.0", "forward", 0.1, 0.2),), peak_bytes=10, duration_ms=1.0, held_bytes=4,
+        plan="none", device="cpu",
+    )  # fmt: skip
+    assert Timeline.from_json(tl.to_json()) == tl
+    data = json.loads(tl.to_json())
+    change(data)  # type: ignore[operator]
+    return json.dumps(data)
+
+
+TIMELINE_FIX = r"record the timeline again with remat\.timeline\(\.\.\.\)\.to_json\(\)"
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda d: d.pop("peak_bytes"), rf"^timeline json: missing field 'peak_bytes'; {TIMELINE_FIX}"),
+        (lambda d: d["bytes"].append(3), r"^timeline json: field 't_ms' has 2 entries and 'bytes' 3, expected one time per level"),
+        (lambda d: d["phases"][0].pop(), r"field 'phases\[0\]' is a list of 2, expected a list of 3 \(name, start_ms, end_ms\)"),
+        (lambda d: d["intervals"][0].__setitem__(2, "late"), r"field 'intervals\[0\]\[2\]' is \"late\", expected a number"),
+        (lambda d: d.update(loop={"grads": "zeroed"}), r"field 'loop\.grads' is \"zeroed\", expected one of \"none\", \"held\""),
+    ],
+)  # fmt: skip
+def test_a_bad_timeline_file_names_the_field_and_the_fix(change: object, match: str) -> None:
+    with pytest.raises(RematError, match=match):
+        Timeline.from_json(_timeline_json(change))

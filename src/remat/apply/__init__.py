@@ -1,73 +1,29 @@
-"""Turning a plan (or a strategy) into a checkpointed model, in place, and back."""
+"""Turning a plan into a checkpointed model, in place, and back.
+
+This stage takes a :class:`~remat.plan.types.Plan` only: ``remat.plan(...)`` makes one from a profile,
+blocks or a model, and the public ``remat.apply(model, remat.full())`` plans a strategy first.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
-from remat.blocks import Block, fingerprint, resolve
 from remat.blocks import blocks as find_blocks
-from remat.core.ops import validate_ops
+from remat.blocks import fingerprint, resolve
+from remat.core.ops import Keep, Op, Recompute, validate_ops
 from remat.core.runtime import attach, attached, detach, run_function
 from remat.core.wrapped import unwrap
 from remat.errors import BlockSelectionError, PlanMismatchError, RematError
-from remat.plan.strategies import Strategy, _Named
 from remat.plan.types import Plan
 
-if TYPE_CHECKING:
-    from remat.profile.types import Profile
-
-__all__ = ["apply", "remove", "applied", "checkpoint", "CheckpointedSequential", "to_plan"]
+__all__ = ["apply", "remove", "applied", "checkpoint", "CheckpointedSequential"]
 
 
-def to_plan(
-    strategy: Strategy,
-    model: nn.Module | None = None,
-    *,
-    blocks: Sequence[Block] | None = None,
-    profile: Profile | None = None,
-) -> Plan:
-    """A strategy's plan over the given blocks (from ``blocks``, the profile, or ``remat.blocks(model)``).
-
-    When a profile is given the plan carries predicted figures (see ``remat.plan``).
-    """
-    if isinstance(strategy, _Named):
-        if model is None:
-            raise RematError("apply: strategy 'named' needs the model to look its blocks up")
-        block_list: Sequence[Block] = find_blocks(model, named=strategy.groups)
-    elif blocks is not None:
-        block_list = blocks
-    elif profile is not None:
-        block_list = profile.blocks
-    elif model is not None:
-        block_list = find_blocks(model)
-    else:
-        raise RematError("plan: give the blocks, a profile or the model for a strategy")
-    if strategy.needs_profile and profile is None:
-        raise RematError(
-            f"apply: strategy {strategy.name} needs measured block sizes; pass profile=remat.profile(model, inputs, loss_fn)"
-        )
-    if profile is not None and not isinstance(strategy, _Named):
-        from remat.plan.planner import plan_from_ops
-
-        return plan_from_ops(profile, strategy.ops(block_list, profile), strategy.label)
-    fp = fingerprint(model, block_list) if model is not None else None
-    return Plan(
-        strategy=strategy.label, blocks=tuple(block_list), ops=strategy.ops(block_list, profile), fingerprint=fp
-    )
-
-
-def apply(
-    model: nn.Module,
-    plan: Plan | Strategy,
-    *,
-    blocks: Sequence[Block] | None = None,
-    profile: Profile | None = None,
-    allow_stateful: bool = False,
-) -> Plan:
-    """Checkpoint ``model`` in place according to a plan or a strategy.
+def apply(model: nn.Module, plan: Plan, *, allow_stateful: bool = False) -> Plan:
+    """Checkpoint ``model`` in place according to a plan.
 
     Each recomputed segment drops what autograd saves inside its blocks and, in the backward, replays
     the calls the model made to them (RNG, autocast and buffer state restored per call, nested for
@@ -78,9 +34,9 @@ def apply(
 
     Args:
         model: The model to change in place.
-        plan: A :class:`~remat.plan.types.Plan` (from ``remat.plan``) or a strategy (``remat.full()`` ...).
-        blocks: For a strategy, the blocks it chooses from (default ``remat.blocks(model)``).
-        profile: For a strategy that needs sizes (``largest``, ``budget``, ``dynamic``).
+        plan: A :class:`~remat.plan.types.Plan`, from ``remat.plan`` (or ``Plan.from_json``). For a
+            strategy, plan it first (``remat.plan(model, strategy=remat.full())``) or call the public
+            ``remat.apply(model, remat.full())``, which does.
         allow_stateful: Recompute blocks whose forward updates buffers other than BatchNorm's (a
             stateful forward); by default the first such forward raises a ``RematError`` and leaves
             the model's state as it was (NOTE [ State under recomputation ]).
@@ -91,14 +47,13 @@ def apply(
     Raises:
         PlanMismatchError: If the plan was made for different blocks than this model has, or covers only
             part of them (a plan for a 4-layer model on a 6-layer one).
-        RematError: If the plan's operations do not cover its blocks once each, in order
-            (``remat.plan.chain.validate_ops``), or a strategy needs a profile and none is given.
+        RematError: If ``plan`` is not a Plan, or its operations do not cover its blocks once each, in
+            order (``remat.core.ops.validate_ops``).
     """
-    if isinstance(plan, Strategy):
-        plan = to_plan(plan, model, blocks=blocks, profile=profile)
-    elif not isinstance(plan, Plan):
+    if not isinstance(plan, Plan):
         raise RematError(
-            f"apply: expected a Plan or a strategy, got {type(plan).__name__}; see remat.plan or remat.full()"
+            f"apply: expected a Plan, got {type(plan).__name__}; make one with remat.plan(model, strategy=...) "
+            "or remat.plan(profile, budget), or call remat.apply(model, strategy), which plans it first"
         )
     validate_ops(
         plan.ops, len(plan.blocks), block_fqns=[b.fqns for b in plan.blocks], source=f"apply ({plan.strategy})"
@@ -178,6 +133,20 @@ class CheckpointedSequential(nn.Sequential):
                 f"CheckpointedSequential: segments={segments!r} must be in 1..{len(layers)} (the number of layers)"
             )
         self.segments = segments
-        from remat.plan.strategies import segments as seg
+        blocks = find_blocks(self, named=[[n] for n, _ in self.named_children()])
+        ops = _segment_ops(len(blocks), segments)
+        apply(self, Plan(f"segments(k={segments})", blocks, ops, fingerprint=fingerprint(self, blocks)))
 
-        apply(self, seg(segments), blocks=find_blocks(self, named=[[n] for n, _ in self.named_children()]))
+
+def _segment_ops(n: int, k: int) -> tuple[Op, ...]:
+    # remat.segments(k)'s operations (the apply stage reads no strategies; tests/apply pins the two equal):
+    # k even segments, the first n % k one block longer, every segment but the last checkpointed.
+    size, extra = divmod(n, k)
+    ops: list[Op] = []
+    start = 0
+    for j in range(k):
+        stop = start + size + (1 if j < extra else 0)
+        keeps = tuple(Keep(i) for i in range(start, stop))
+        ops.extend(keeps if j == k - 1 else (Recompute(start, stop, keeps),))
+        start = stop
+    return tuple(ops)

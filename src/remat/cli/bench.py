@@ -6,8 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+from remat._progress import progress
 from remat.cli.common import (
     add_model_args,
     check_budgets,
@@ -22,11 +21,11 @@ from remat.cli.common import (
     strategies_help,
     write_file,
 )
-from remat.errors import BudgetInfeasibleError
-from remat.measure.compare import compare
+from remat.errors import BudgetInfeasibleError, RematError
+from remat.measure.compare import BenchResult, compare
+from remat.plan import frontier
 from remat.plan import plan as make_plan
-from remat.plan.strategies import Strategy, bench_strategies, parse_strategy
-from remat.plan.types import Plan
+from remat.plan.strategies import parse_strategy
 from remat.profile import Profile
 from remat.profile import profile as run_profile
 from remat.report.tables import bench_table, budget_verdicts
@@ -55,23 +54,18 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (default 5)")
     p.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
     p.add_argument("--plots", type=Path, default=None, help="write the charts (PNG) into this directory")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write profile.json, bench.json, frontier.json and plan.json into DIR, for `remat report --from DIR`",
+    )
 
 
-def _plans(prof: Profile, chosen: list[Strategy], budgets: list[str]) -> list[Plan]:
-    strategies = list(chosen) or bench_strategies(prof.blocks, prof)
-    if not any(s.name == "none" for s in strategies):
-        strategies.insert(0, parse_strategy("none"))
-    strategies.sort(key=lambda s: s.name != "none")
-    plans = [make_plan(prof, strategy=s) for s in strategies]
-    for b in budgets:
-        for solver in ("optimal", "knapsack"):
-            try:
-                p = make_plan(prof, b, solver=solver)
-            except BudgetInfeasibleError as e:
-                console.print(f"[yellow]skipped {solver} at {b}:[/] {e}")
-                continue
-            plans.append(p.__class__(**{**p.__dict__, "strategy": f"{p.strategy} @ {b}"}))
-    return plans
+def say_skipped(solver: str, budget: str, error: BudgetInfeasibleError) -> None:
+    """Print that ``solver`` cannot meet ``budget`` (its plan is left out of the bench)."""
+    console.print(f"[yellow]skipped {solver} at {budget}:[/] {error}")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -88,16 +82,16 @@ def check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Profile, build the plans, measure them interleaved, print the table, write JSON (and plots)."""
+    from remat.report import bench_plans
+
     strategies = parse_strategies(args.strategy)
     w = load_workload(args.model, args.sizes)
     check_strategies_fit(strategies, w.model)  # blocks a strategy names, before the profile
     with console.status(f"profiling {w.description}"):
         prof = run_profile(w.model, w.inputs, w.loss_fn, **loop_options(args))
     note_high_budgets(args.budget, prof)
-    plans = _plans(prof, strategies, args.budget)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task("measuring", total=len(plans) + args.rounds)
+    plans = bench_plans(prof, strategies, args.budget, skipped=say_skipped)
+    with progress(None, len(plans) + args.rounds, "bench") as tick:
         result = compare(
             w.model,
             w.inputs,
@@ -105,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             plans,
             rounds=args.rounds,
             description=w.description,
-            progress=lambda label: bar.update(task, advance=1, description=label),
+            progress=tick,
             **loop_options(args),
         )
     console.print(bench_table(result))
@@ -114,9 +108,25 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         write_file(args.json, result.to_json())
         console.print(f"wrote {args.json}")
-    if args.plots is not None:
-        from remat.report import write_bench_plots
-
-        for path in write_bench_plots(result, prof, args.plots):
-            console.print(f"wrote {path}")
+    if args.plots is not None or args.out is not None:
+        _write_values_and_plots(args, prof, result)
     return 0
+
+
+def _write_values_and_plots(args: argparse.Namespace, prof: Profile, result: BenchResult) -> None:
+    """``--out DIR`` and ``--plots DIR``: the values a report reads, and the charts drawn from them."""
+    from remat.report import ReportData, heatmap_plan, write_bench_plots
+
+    # The heatmap's plan: the bench's optimal plan at the tightest budget it fits, else `full`.
+    shown = heatmap_plan(result) or make_plan(prof, strategy=parse_strategy("full"))
+    front = frontier(prof)
+    if args.out is not None:
+        try:
+            written = ReportData(prof, shown, result, front).write(args.out)
+        except OSError as e:
+            raise RematError(f"cannot write into {str(args.out)!r}: {e.strerror}; check the path") from None
+        for path in written:
+            console.print(f"wrote {path}")
+    if args.plots is not None:
+        for path in write_bench_plots(result, prof, args.plots, frontier=front, plan=shown):
+            console.print(f"wrote {path}")

@@ -13,7 +13,6 @@ import os
 import sys
 from argparse import ArgumentParser
 from collections.abc import Sequence
-from dataclasses import fields
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -26,7 +25,7 @@ from remat.blocks import blocks as find_blocks
 from remat.core.trace import Grads
 from remat.errors import RematError
 from remat.models import WORKLOADS, Workload, workload
-from remat.plan.strategies import STRATEGIES, Strategy, parse_strategy
+from remat.plan.strategies import STRATEGIES, Strategy, Target, parse_strategy, strategy_params
 from remat.plan.types import Plan
 from remat.profile.types import Profile
 from remat.units import Budget, format_bytes, parse_budget
@@ -68,8 +67,8 @@ def models_help() -> str:
 def strategies_help() -> str:
     """The registered strategies with their parameters, from :data:`remat.plan.strategies.STRATEGIES`."""
     forms = []
-    for name, cls in STRATEGIES.items():
-        params = ", ".join(f.name for f in fields(cls))  # type: ignore[arg-type]
+    for name in STRATEGIES:
+        params = ", ".join(strategy_params(name))
         forms.append(f"{name}({params})" if params else name)
     return "strategies (--strategy, e.g. 'every_nth(2)'):\n  " + ",\n  ".join(_wrap(forms, 88, ", "))
 
@@ -218,7 +217,7 @@ def check_strategies_fit(strategies: Sequence[Strategy], model: Any) -> None:
     """
     if not strategies:
         return
-    found = find_blocks(model)
+    found = Target(find_blocks(model))
     for s in strategies:
         if not s.needs_profile:
             s.ops(found)

@@ -2,8 +2,9 @@
 
 A plan (``remat.plan``) is a sequence of operations over the blocks ``0..n-1`` of a chain
 (NOTE [ Chain cost model ] in ``remat.plan.chain``): ``Keep``, ``Recompute`` (a segment under one
-checkpoint, with its inner plan for the replay) and ``RecomputeSub`` (a block with some sub-modules
-checkpointed). The runtime (``remat.core.runtime``) installs them; the profile installs them to time
+checkpoint, with its inner plan for the replay), ``RecomputeSub`` (a block with some sub-modules
+checkpointed) and ``RecomputeOps`` (a block under an op-level policy: the outputs of some of its
+operations are kept, every other operation runs again in the backward). The runtime (``remat.core.runtime``) installs them; the profile installs them to time
 checkpointed blocks; the planner produces them.
 """
 
@@ -50,7 +51,26 @@ class RecomputeSub:
         return f"S{self.index}{{{','.join(self.fqns)}}}"
 
 
-Op = Keep | Recompute | RecomputeSub
+@dataclass(frozen=True)
+class RecomputeOps:
+    """Block ``index`` runs under an op-level policy (NOTE [ Op-level policies ] in ``remat.core.selective``).
+
+    Attributes:
+        index: The block.
+        save: Keys (``"<op>#<occurrence>"``, e.g. ``"addmm#1"``) of the operations whose outputs are kept;
+            every other operation of the block's forward runs again in its backward.
+        recompute: Keys of the operations whose saved outputs are recomputed instead (for display).
+    """
+
+    index: int
+    save: tuple[str, ...]
+    recompute: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"O{self.index}{{{','.join(self.recompute)}|{','.join(self.save)}}}"
+
+
+Op = Keep | Recompute | RecomputeSub | RecomputeOps
 
 
 def ops_repr(ops: tuple[Op, ...]) -> str:
@@ -66,8 +86,12 @@ def ops_to_json(ops: tuple[Op, ...]) -> list[Any]:
             out.append({"op": "keep", "index": op.index})
         elif isinstance(op, Recompute):
             out.append({"op": "recompute", "start": op.start, "stop": op.stop, "inner": ops_to_json(op.inner)})
-        else:
+        elif isinstance(op, RecomputeSub):
             out.append({"op": "recompute_sub", "index": op.index, "fqns": list(op.fqns)})
+        else:
+            out.append(
+                {"op": "recompute_ops", "index": op.index, "save": list(op.save), "recompute": list(op.recompute)}
+            )
     return out
 
 
@@ -100,9 +124,17 @@ def ops_from_json(data: Any, reader: Reader | None = None, path: str = "ops") ->
                 raise reader.missing(f"{at}.inner")
             start, stop = reader.field(obj, "start", int, at), reader.field(obj, "stop", int, at)
             ops.append(Recompute(start, stop, ops_from_json(obj["inner"], reader, f"{at}.inner")))
-        else:
+        elif kind == "recompute_sub":
             ops.append(
                 RecomputeSub(reader.field(obj, "index", int, at), reader.field(obj, "fqns", tuple[str, ...], at))
+            )
+        else:
+            ops.append(
+                RecomputeOps(
+                    reader.field(obj, "index", int, at),
+                    reader.field(obj, "save", tuple[str, ...], at),
+                    reader.field(obj, "recompute", tuple[str, ...], at),
+                )
             )
     return tuple(ops)
 
@@ -112,6 +144,7 @@ _OP_FIELDS: dict[str, tuple[str, ...]] = {
     "keep": ("index",),
     "recompute": ("start", "stop", "inner"),
     "recompute_sub": ("index", "fqns"),
+    "recompute_ops": ("index", "save", "recompute"),
 }
 
 
@@ -149,12 +182,18 @@ def _validate(
     """Raise unless ``ops`` covers blocks ``start..stop-1`` once each, in order."""
     expected = start
     for pos, op in enumerate(ops):
-        if expected >= stop and isinstance(op, (Keep, RecomputeSub, Recompute)):
+        if expected >= stop and isinstance(op, (Keep, RecomputeSub, RecomputeOps, Recompute)):
             raise RematError(
                 f"{source}: {where} operation {op!r} at position {pos} is past block {stop - 1}, the last one it "
                 f"may cover; a plan must cover blocks {start}..{stop - 1} once each, in order."
             )
-        if isinstance(op, (Keep, RecomputeSub)):
+        if isinstance(op, RecomputeOps) and where != "plan":
+            raise RematError(
+                f"{source}: {where} operation {op!r} at position {pos} puts an op-level policy inside a recomputed "
+                "segment; op-level policies apply to blocks kept at the top level of a plan only: keep the block "
+                f"(Keep({op.index})) or recompute it whole there."
+            )
+        if isinstance(op, (Keep, RecomputeSub, RecomputeOps)):
             if op.index != expected:
                 raise RematError(
                     f"{source}: {where} operation {op!r} at position {pos} is for block {op.index}, expected block "
@@ -189,7 +228,7 @@ def _validate(
         else:
             raise RematError(
                 f"{source}: {where} operation {op!r} at position {pos} is a {type(op).__name__}; "
-                "expected Keep, Recompute or RecomputeSub."
+                "expected Keep, Recompute, RecomputeSub or RecomputeOps."
             )
     if expected != stop:
         raise RematError(

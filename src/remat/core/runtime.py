@@ -64,6 +64,7 @@ back every buffer, argument and the RNG state first.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
 import weakref
@@ -76,7 +77,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from remat.core.ops import Keep, Op, Recompute, RecomputeSub
+from remat.core.ops import Keep, Op, Recompute, RecomputeOps, RecomputeSub
+from remat.core.selective import run_selective
 from remat.core.wrapped import unwrap
 from remat.errors import RematError
 
@@ -142,6 +144,7 @@ class _Role:
     learned: bool = False
     stateful: frozenset[str] = frozenset()
     norms: frozenset[str] | None = None
+    policy: frozenset[str] | None = None  # RecomputeOps: keys of the ops whose outputs are kept
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -588,7 +591,10 @@ def _run(module: nn.Module, role: _Role | None, args: tuple[Any, ...], kwargs: d
         observer(module, True, False)
     raised = True
     try:
-        out = _original(module, role)(*args, **kwargs)
+        if role is not None and role.policy is not None and torch.is_grad_enabled():
+            out = run_selective(_original(module, role), args, kwargs, role.policy)  # NOTE [ Op-level policies ]
+        else:
+            out = _original(module, role)(*args, **kwargs)
         raised = False
         return out
     finally:
@@ -649,12 +655,40 @@ class _Dispatch:
         self.module = module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            role: _Role = self.module.__dict__["_remat_role"]
+            if _compilable(role):
+                return _compiled(self.module, role, args, kwargs)
         return _dispatch(self.module, args, kwargs)
 
 
-# Under torch.compile a checkpointed module runs eagerly (a graph break around it): a compiled forward
-# saves other tensors than the eager replay would recompute, so remat's recording must see the eager
-# forward. Correct, at the cost of compiled speed inside checkpointed blocks.
+# NOTE [ Under torch.compile ]
+# remat's recording and replay are Python around autograd, which dynamo cannot trace. Where a plan's
+# operation is exactly what torch's own checkpoint does, a single module recomputed alone (a
+# one-module ``Recompute(k, k + 1)``, not nested in another span) or kept under an op-level policy
+# (``RecomputeOps``), dynamo traces ``torch.utils.checkpoint`` instead: one region, no graph break,
+# compiled inside, and the compiler's partitioner recomputes what the region saved (RNG state
+# preserved; BatchNorm's running statistics are functionalised and updated once). An op-level
+# policy's op keys name eager ops; the compiled graph's ops may differ, and ops it does not match are
+# recomputed (correct; it may then hold less and run longer than predicted). Segments of several
+# modules and nested plans run eagerly through ``_dispatch`` below (a graph break around each member).
+def _compilable(role: _Role) -> bool:
+    if role.policy is not None:
+        return not role.spans
+    return len(role.spans) == 1 and role.spans[0][0].size == 1
+
+
+def _compiled(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    forward = _original(module, role)
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    if role.policy is not None:
+        return run_selective(forward, args, kwargs, role.policy)
+    call = functools.partial(forward, **kwargs) if kwargs else forward
+    return torch.utils.checkpoint.checkpoint(call, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+# Eagerly (and under torch.compile for what NOTE [ Under torch.compile ] does not cover: a graph break).
 @torch.compiler.disable
 def _dispatch(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     role: _Role = module.__dict__["_remat_role"]
@@ -688,9 +722,19 @@ def _assign(
     members: Sequence[list[nn.Module]],
     names: Sequence[tuple[str, ...]],
     roles: dict[int, tuple[nn.Module, str, list[tuple[_Span, int]]]],
+    policies: dict[int, frozenset[str]],
 ) -> None:
     for op in ops:
-        if isinstance(op, RecomputeSub):
+        if isinstance(op, RecomputeOps):
+            if len(members[op.index]) != 1:
+                raise RematError(
+                    f"apply: {op!r} puts an op-level policy on block {op.index} ({', '.join(names[op.index])}), a "
+                    "group of modules; op-level policies apply to single-module blocks (op keys count per forward)"
+                )
+            module = members[op.index][0]
+            roles.setdefault(id(module), (module, names[op.index][0], []))
+            policies[id(module)] = frozenset(op.save)
+        elif isinstance(op, RecomputeSub):
             for fqn in op.fqns:
                 sub = model.get_submodule(fqn)
                 entry = roles.setdefault(id(sub), (sub, fqn, []))
@@ -700,9 +744,11 @@ def _assign(
             span = _Span(flat[0][1], len(flat))
             for position, (module, name) in enumerate(flat):
                 roles.setdefault(id(module), (module, name, []))[2].append((span, position))
-            _assign(model, op.inner, members, names, roles)
+            _assign(model, op.inner, members, names, roles, policies)
         elif not isinstance(op, Keep):
-            raise RematError(f"apply: unknown plan operation {op!r}; expected Keep, Recompute or RecomputeSub")
+            raise RematError(
+                f"apply: unknown plan operation {op!r}; expected Keep, Recompute, RecomputeSub or RecomputeOps"
+            )
 
 
 def install(
@@ -730,11 +776,15 @@ def install(
         RematError: If a module already belongs to another applied plan (nothing is installed then).
     """
     roles: dict[int, tuple[nn.Module, str, list[tuple[_Span, int]]]] = {}
-    _assign(model, ops, members, names, roles)
+    policies: dict[int, frozenset[str]] = {}
+    _assign(model, ops, members, names, roles, policies)
     touched: list[nn.Module] = []
     try:
         for module, name, spans in roles.values():
-            _set_role(module, _Role(tuple(spans), module.__dict__.get("forward"), name, allow_stateful))
+            role = _Role(
+                tuple(spans), module.__dict__.get("forward"), name, allow_stateful, policy=policies.get(id(module))
+            )
+            _set_role(module, role)
             touched.append(module)
     except BaseException:
         uninstall(touched)

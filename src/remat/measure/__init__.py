@@ -31,7 +31,6 @@ from remat.core.trace import (
     train_step,
 )
 from remat.errors import BlockSelectionError, RematError
-from remat.plan.strategies import Strategy
 from remat.plan.types import Plan
 
 __all__ = ["Measurement", "GradientCheck", "measure", "check_gradients", "MemoryTrace", "Grads", "Loop"]
@@ -197,12 +196,11 @@ def _grads(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor]
 
 def check_gradients(
     model: nn.Module,
-    plan: Plan | Strategy,
+    plan: Plan,
     inputs: Any,
     loss_fn: Callable[[Any], torch.Tensor],
     *,
     exact: bool | None = None,
-    profile: Any = None,
     atol: float = 1e-6,
 ) -> GradientCheck:
     """Compare every parameter and input gradient of the plain model with the checkpointed one.
@@ -212,22 +210,30 @@ def check_gradients(
 
     Args:
         model: The model.
-        plan: The plan or strategy to check.
+        plan: The plan to check (from ``remat.plan``); the public ``remat.check_gradients`` also takes
+            a strategy and plans it first.
         inputs: A tensor, tuple or dict; leaf tensors that require grad get their gradient compared.
         loss_fn: Maps the model's output to a scalar loss.
         exact: Bitwise comparison (default: on CPU yes, on CUDA no, where kernels may differ run to run).
-        profile: For strategies that need sizes.
         atol: Tolerance when not exact.
 
     Returns:
         The :class:`GradientCheck`.
+
+    Raises:
+        RematError: If ``plan`` is not a Plan.
     """
+    if not isinstance(plan, Plan):
+        raise RematError(
+            f"check_gradients: expected a Plan, got {type(plan).__name__}; make one with "
+            "remat.plan(model, strategy=...), or call remat.check_gradients(model, strategy, ...), which plans it first"
+        )
     dev = device_of(model, inputs)
     exact = dev.type == "cpu" if exact is None else exact
     before = remove(model)
     try:
         plain = _grads(model, inputs, loss_fn)
-        apply(model, plan, profile=profile)
+        apply(model, plan)
         try:
             ckpt = _grads(model, inputs, loss_fn)
         finally:

@@ -21,12 +21,13 @@ import contextlib
 import json
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
 
+from remat._json import Reader, load
 from remat.apply import apply, remove
 from remat.blocks import resolve
 from remat.core.runtime import count_forwards
@@ -47,9 +48,22 @@ from remat.errors import RematError
 from remat.measure import _compare_grads, _grads
 from remat.plan.types import Plan
 
-__all__ = ["BenchRow", "BenchResult", "compare", "spread_pct", "separable"]
+__all__ = ["BenchPlan", "BenchRow", "BenchResult", "compare", "spread_pct", "separable"]
 
 Progress = Callable[[str], None]
+
+
+class BenchPlan(NamedTuple):
+    """A plan to bench, with the solver that made it.
+
+    Attributes:
+        plan: The plan.
+        solver: The solver that made it for its budget (``"optimal"``, ``"knapsack"``), ``None`` for a
+            rule-of-thumb strategy or a plan made by hand; recorded in its :class:`BenchRow`.
+    """
+
+    plan: Plan
+    solver: str | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +88,9 @@ class BenchRow:
         ops: The plan in compact form.
         spread_pct: Run-to-run spread of the step time: interquartile range over median of
             ``step_ms_all``, percent (``None`` with one round); see NOTE [ Timing noise ].
+        solver: The solver that made the plan (``"optimal"``, ``"knapsack"``), ``None`` for a strategy.
+        plan: The plan measured (``None`` in files written before rows carried it): a report finds a
+            plan's row by it (:meth:`BenchResult.row_of`), never by its label.
     """
 
     label: str
@@ -92,6 +109,8 @@ class BenchRow:
     budget_bytes: int | None
     ops: str
     spread_pct: float | None = None
+    solver: str | None = None
+    plan: Plan | None = None
 
 
 def spread_pct(times_ms: Sequence[float]) -> float | None:
@@ -153,19 +172,70 @@ class BenchResult:
         noise, diff = self.noise_pct, self.difference_pct
         return diff is None or (noise is not None and noise < diff)
 
+    def row_of(self, plan: Plan) -> BenchRow | None:
+        """The row that measured ``plan``: the row carrying an equal plan; for rows read from files
+        written before rows carried their plan, the row with its label and compact form; else ``None``."""
+        for r in self.rows:
+            if r.plan is not None and r.plan == plan:
+                return r
+        describe = plan.describe()
+        return next((r for r in self.rows if r.plan is None and r.label == plan.strategy and r.ops == describe), None)
+
     def to_json(self) -> str:
-        """Serialise to a JSON string (with ``schema_version``, and the noise figures of NOTE [ Timing noise ])."""
-        noise = {"noise_pct": self.noise_pct, "difference_pct": self.difference_pct, "rankable": self.rankable}
-        data = {"schema_version": self.schema_version, **asdict(self), **noise}
-        data["loop"] = {"grads": self.loop.grads.value, "optimizer": self.loop.optimizer}
+        """Serialise to a JSON string (with ``schema_version``, and the noise figures of NOTE [ Timing noise ],
+        which :meth:`from_json` recomputes rather than reads)."""
+        rows = []
+        for r in self.rows:
+            row = {f.name: getattr(r, f.name) for f in fields(r)}
+            row["plan"] = None if r.plan is None else r.plan.to_dict()
+            rows.append(row)
+        data = {
+            "schema_version": self.schema_version,
+            "model": self.model,
+            "device": self.device,
+            "held_bytes": self.held_bytes,
+            "rounds": self.rounds,
+            "rows": rows,
+            "loop": {"grads": self.loop.grads.value, "optimizer": self.loop.optimizer},
+            "noise_pct": self.noise_pct,
+            "difference_pct": self.difference_pct,
+            "rankable": self.rankable,
+        }
         return json.dumps(data, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> BenchResult:
+        """Read a bench written by :meth:`to_json` (NOTE [ One loading policy ] in ``remat._json``).
+
+        Raises:
+            RematError: If the text is not a bench of this schema version, lacks or mistypes a field, or
+                a row's plan is not a valid plan (as ``Plan.from_json`` checks it).
+        """
+        data = load(text, _READER, cls.schema_version)
+        for key in _DERIVED:
+            data.pop(key, None)
+        return _READER.build(cls, data, convert={"rows": _read_rows})
+
+
+_READER = Reader("bench", "measure again with `remat bench MODEL --json bench.json` or compare(...).to_json()")
+# Figures to_json writes for people and tools, derived from the rows: recomputed when read, never read.
+_DERIVED = ("noise_pct", "difference_pct", "rankable")
+
+
+def _read_rows(reader: Reader, value: Any, path: str) -> tuple[BenchRow, ...]:
+    items = reader.value(list[Any], value, path)
+
+    def plan(r: Reader, v: Any, at: str) -> Plan | None:
+        return None if v is None else Plan.from_dict(v, r, at)
+
+    return tuple(reader.build(BenchRow, item, f"{path}[{i}]", {"plan": plan}) for i, item in enumerate(items))
 
 
 def compare(
     model: nn.Module,
     inputs: Any,
     loss_fn: Callable[[Any], torch.Tensor],
-    plans: Sequence[Plan],
+    plans: Sequence[Plan | BenchPlan],
     *,
     rounds: int = 5,
     description: str = "",
@@ -179,7 +249,8 @@ def compare(
         model: The model (left as it was afterwards).
         inputs: A tensor, a tuple of positional arguments or a dict of keyword arguments.
         loss_fn: Maps the model's output to a scalar loss.
-        plans: The plans; the first is the baseline for the saved / overhead percentages.
+        plans: The plans (or :class:`BenchPlan` entries naming the solver of each); the first is the baseline
+            for the saved / overhead percentages.
         rounds: Interleaved timing rounds (each plan runs once per round), >= 1.
         description: Free text naming the workload.
         progress: Called with a short label after each unit of work.
@@ -194,6 +265,7 @@ def compare(
         raise RematError(f"bench: rounds={rounds!r} must be an integer >= 1 (interleaved timing rounds)")
     if not plans:
         raise RematError("bench: no plans to compare; give at least the baseline plan")
+    entries = [p if isinstance(p, BenchPlan) else BenchPlan(p) for p in plans]
     dev = device_of(model, inputs)
     tick = progress or (lambda _label: None)
     before = remove(model)
@@ -207,7 +279,7 @@ def compare(
             plain = _grads(model, inputs, loss_fn)
             held = 0
             params = list(model.parameters())
-            for plan in plans:
+            for plan, _ in entries:
                 apply(model, plan)
                 try:
                     # preserved(): every plan starts from the plain run's RNG state (same dropout masks),
@@ -225,7 +297,7 @@ def compare(
                     remove(model)
                 tick(f"{plan.strategy}: peak and gradients")
             for r in range(rounds):
-                for i, plan in enumerate(plans):
+                for i, (plan, _) in enumerate(entries):
                     apply(model, plan)
                     try:
                         it.reset()  # outside the timed region, as remat.measure does
@@ -238,7 +310,7 @@ def compare(
             apply(model, before)
     base_peak, base_ms = peaks[0], median(times[0])
     rows = []
-    for i, plan in enumerate(plans):
+    for i, (plan, solver) in enumerate(entries):
         ms = median(times[i])
         rows.append(
             BenchRow(
@@ -258,6 +330,8 @@ def compare(
                 budget_bytes=plan.budget_bytes,
                 ops=plan.describe(),
                 spread_pct=spread_pct(times[i]),
+                solver=solver,
+                plan=plan,
             )
         )
     return BenchResult(model=description, device=dev.type, held_bytes=held, rounds=rounds, rows=tuple(rows), loop=loop)

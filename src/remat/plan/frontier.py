@@ -6,11 +6,12 @@ import json
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from remat._json import Reader, read
 from remat.errors import BudgetInfeasibleError, RematError
 from remat.plan.chain import chain_of
-from remat.plan.planner import _nested, plan
-from remat.plan.solver import min_peak, simulate
-from remat.plan.strategies import STRATEGIES, bench_strategies
+from remat.plan.planner import plan, solver_named
+from remat.plan.solver import simulate
+from remat.plan.strategies import bench_strategies, none
 
 if TYPE_CHECKING:
     from remat.profile.types import Profile
@@ -54,8 +55,18 @@ class Frontier:
     baseline_step_ms: float
 
     def to_json(self) -> str:
-        """Serialise to a JSON string."""
+        """Serialise to a JSON string (with ``schema_version``)."""
         return json.dumps({"schema_version": self.schema_version, **asdict(self)}, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Frontier:
+        """Read a frontier written by :meth:`to_json` (NOTE [ One loading policy ] in ``remat._json``).
+
+        Raises:
+            RematError: If the text is not a frontier of this schema version, or lacks or mistypes a field.
+        """
+        fix = "compute it again with remat.frontier(profile).to_json() or `remat bench MODEL --out DIR`"
+        return read(cls, text, Reader("frontier", fix))
 
 
 def frontier(profile: Profile, *, points: int = 16, solver: str = "optimal") -> Frontier:
@@ -65,17 +76,20 @@ def frontier(profile: Profile, *, points: int = 16, solver: str = "optimal") -> 
         profile: From ``remat.profile``.
         points: How many budgets to solve for, evenly spaced from the smallest feasible peak to the
             keep-everything peak, >= 2.
-        solver: ``"optimal"`` or ``"knapsack"``.
+        solver: A name in ``remat.plan.SOLVERS``: ``"optimal"`` or ``"knapsack"``.
 
     Returns:
         The :class:`Frontier` (Pareto points only) with every seed strategy's predicted figures.
+
+    Raises:
+        RematError: For ``points`` below 2 or an unknown solver.
     """
     if points < 2:
         raise RematError(f"frontier: points={points} must be >= 2")
+    chosen = solver_named(solver, where="frontier")
     chain = chain_of(profile)
-    nested = solver == "optimal" and _nested(profile)
-    low = min_peak(chain, nested=nested, sub_costs=profile.sub_costs() if solver == "optimal" else None)
-    high = simulate(chain, tuple(plan(profile, strategy=STRATEGIES["none"]()).ops)).peak_bytes
+    low = chosen.min_peak(profile, chain)
+    high = simulate(chain, tuple(plan(profile, strategy=none()).ops)).peak_bytes
     found: list[FrontierPoint] = []
     for i in range(points):
         b = low + (high - low) * i // (points - 1)

@@ -1,51 +1,136 @@
-"""``remat.plan`` and ``remat.frontier``: from a measured profile to the fastest plan that fits a budget."""
+"""``remat.plan``: from a profile (or blocks, or a model) to a plan, by a solver under a budget or by a strategy."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+from torch import nn
+
+from remat.blocks import Block, fingerprint
+from remat.blocks import blocks as find_blocks
 from remat.core.ops import Keep, Op, ops_repr
 from remat.errors import BudgetInfeasibleError, RematError
 from remat.plan.chain import Chain, chain_of
-from remat.plan.solver import min_peak, min_peak_plan, simulate, solve
-from remat.plan.strategies import STRATEGIES, Strategy
+from remat.plan.policies import op_costs
+from remat.plan.solver import SubCosts, VariantId, min_peak, min_peak_plan, simulate, solve
+from remat.plan.strategies import STRATEGIES, Named, Strategy, Target, parse_strategy
 from remat.plan.types import Plan
+from remat.profile.types import Profile
 from remat.units import Budget, format_bytes, parse_budget
 
-if TYPE_CHECKING:
-    from remat.profile.types import Profile
-
-__all__ = ["SOLVERS", "plan", "plan_from_ops"]
+__all__ = ["Solver", "SOLVERS", "plan", "plan_from_ops", "to_plan", "solver_named", "variant_costs"]
 
 log = logging.getLogger(__name__)
 
 
-def _nested(profile: Profile) -> bool:
-    # Segments of several blocks only across boundaries where the chain model holds (Chain.joinable):
-    # the DP respects them, so nested plans are always allowed.
-    return True
+@dataclass(frozen=True)
+class Solver:
+    """A way to find the fastest plan under a budget on a profile's chain (NOTE [ Rotor dynamic program ]).
+
+    Attributes:
+        name: Its key in :data:`SOLVERS`, and the ``strategy`` of the plans it makes.
+        nests: Whether a segment may hold several blocks and nest further segments. The DP puts several
+            blocks in one segment only across boundaries where the chain model holds (``Chain.joinable``),
+            so nesting is always safe to allow.
+        sub_variants: Whether a block may also be kept with its attention / FFN checkpointed
+            (NOTE [ Keep variants ]).
+        op_variants: Whether a block may also be kept under an op-level policy (``RecomputeOps``,
+            NOTE [ Op-level policy costs ] in ``remat.profile.profiler``).
+        top_level_variants: Whether sub-module variants stay out of segments (so that, without nesting,
+            every operation of the plan compiles: NOTE [ Under torch.compile ] in ``remat.core.runtime``).
+    """
+
+    name: str
+    nests: bool
+    sub_variants: bool
+    op_variants: bool = False
+    top_level_variants: bool = False
+
+    def sub_costs(self, profile: Profile) -> SubCosts | None:
+        """The measured costs of the variants this solver may choose (``None``: it uses none)."""
+        if not (self.sub_variants or self.op_variants):
+            return None
+        return variant_costs(profile, subs=self.sub_variants, ops=self.op_variants)
+
+    def solve(
+        self, profile: Profile, chain: Chain, headroom: int, *, slots: int | None = None
+    ) -> tuple[Op, ...] | None:
+        """The fastest operations whose peak fits ``headroom`` bytes above the chain's base (``None``: none fits).
+
+        Args:
+            profile: The profile ``chain`` was made from (for the sub-module costs).
+            chain: ``chain_of(profile)``.
+            headroom: Bytes available above ``chain.base_bytes``.
+            slots: Memory discretisation of the DP (default: automatic).
+        """
+        return solve(
+            chain,
+            headroom,
+            nested=self.nests,
+            slots=slots,
+            sub_costs=self.sub_costs(profile),
+            top_level_variants=self.top_level_variants,
+        )
+
+    def min_peak(self, profile: Profile, chain: Chain) -> int:
+        """The smallest peak any plan of this solver reaches, bytes."""
+        return min_peak(
+            chain, nested=self.nests, sub_costs=self.sub_costs(profile), top_level_variants=self.top_level_variants
+        )
+
+    def min_peak_plan(self, profile: Profile, chain: Chain) -> tuple[Op, ...]:
+        """The operations of :meth:`min_peak`'s plan."""
+        return min_peak_plan(
+            chain, nested=self.nests, sub_costs=self.sub_costs(profile), top_level_variants=self.top_level_variants
+        )
 
 
-def _solve_optimal(profile: Profile, chain: Chain, headroom: int) -> tuple[Op, ...] | None:
-    # NOTE [ Keep variants ]: the optimal solver may also keep a block with its attention/FFN checkpointed.
-    return solve(chain, headroom, nested=_nested(profile), sub_costs=profile.sub_costs())
-
-
-def _solve_knapsack(profile: Profile, chain: Chain, headroom: int) -> tuple[Op, ...] | None:
-    return solve(chain, headroom, nested=False)
-
-
-SOLVERS: dict[str, Callable[[Profile, Chain, int], tuple[Op, ...] | None]] = {
-    "optimal": _solve_optimal,
-    "knapsack": _solve_knapsack,
+SOLVERS: dict[str, Solver] = {
+    s.name: s
+    for s in (
+        # exact chain DP: nested recomputation, sub-module variants, op-level policies
+        Solver("optimal", nests=True, sub_variants=True, op_variants=True),
+        # the best single level of single blocks
+        Solver("knapsack", nests=False, sub_variants=False),
+        # single blocks and sub-modules, each one torch checkpoint: torch.compile traces the plan whole
+        Solver("compile", nests=False, sub_variants=True, top_level_variants=True),
+    )
 }
+
+
+def solver_named(name: str, *, where: str = "plan") -> Solver:
+    """The registered solver ``name``.
+
+    Raises:
+        RematError: If there is none; the message lists :data:`SOLVERS` (and the strategies, the alternative).
+    """
+    found = SOLVERS.get(name)
+    if found is None:
+        raise RematError(
+            f"{where}: unknown solver {name!r}; valid solvers are {', '.join(SOLVERS)} "
+            f"(or pass strategy=... for one of {', '.join(STRATEGIES)})"
+        )
+    return found
+
+
+def variant_costs(
+    profile: Profile, *, subs: bool = True, ops: bool = True
+) -> dict[tuple[int, VariantId], tuple[int, float]]:
+    """The measured costs of the ways of keeping a block other than plainly (NOTE [ Keep variants ]):
+    sub-modules checkpointed (``subs``), op-level policies (``ops``)."""
+    costs: dict[tuple[int, VariantId], tuple[int, float]] = {}
+    for (k, fqns), cost in (profile.sub_costs() if subs else {}).items():
+        costs[(k, fqns)] = cost
+    for (k, op), cost in (op_costs(profile) if ops else {}).items():
+        costs[(k, op)] = cost
+    return costs
 
 
 def plan_from_ops(profile: Profile, ops: tuple[Op, ...], label: str, budget_bytes: int | None = None) -> Plan:
     """A plan for ``ops`` on ``profile``'s blocks, with its simulated peak and recompute time."""
-    sim = simulate(chain_of(profile), ops, profile.sub_costs())
+    sim = simulate(chain_of(profile), ops, variant_costs(profile))
     return Plan(
         strategy=label,
         blocks=profile.blocks,
@@ -59,57 +144,142 @@ def plan_from_ops(profile: Profile, ops: tuple[Op, ...], label: str, budget_byte
     )
 
 
+def to_plan(
+    strategy: Strategy,
+    model: nn.Module | None = None,
+    *,
+    blocks: Sequence[Block] | None = None,
+    profile: Profile | None = None,
+) -> Plan:
+    """A strategy's plan over the given blocks (from ``blocks``, the profile, or ``remat.blocks(model)``).
+
+    A ``named`` strategy finds its own blocks in ``model``. With a profile the plan carries predicted
+    figures (see :func:`plan`); with a model, the model's fingerprint.
+
+    Raises:
+        RematError: If the strategy needs sizes and no profile is given, ``named`` has no model, or
+            nothing gives the blocks.
+    """
+    if isinstance(strategy, Named):
+        if model is None:
+            raise RematError("apply: strategy 'named' needs the model to look its blocks up")
+        block_list: Sequence[Block] = find_blocks(model, named=strategy.groups)
+    elif blocks is not None:
+        block_list = blocks
+    elif profile is not None:
+        block_list = profile.blocks
+    elif model is not None:
+        block_list = find_blocks(model)
+    else:
+        raise RematError("plan: give the blocks, a profile or the model for a strategy")
+    if strategy.needs_profile and profile is None:
+        raise RematError(
+            f"apply: strategy {strategy.name} needs measured block sizes; pass profile=remat.profile(model, inputs, loss_fn)"
+        )
+    ops = strategy.ops(Target(tuple(block_list), profile))
+    if profile is not None and not isinstance(strategy, Named):
+        return plan_from_ops(profile, ops, strategy.label)
+    fp = fingerprint(model, block_list) if model is not None else None
+    return Plan(strategy=strategy.label, blocks=tuple(block_list), ops=ops, fingerprint=fp)
+
+
 def plan(
-    profile: Profile,
+    source: Profile | Sequence[Block] | nn.Module,
     budget: int | str | Budget | None = None,
     *,
     solver: str = "optimal",
-    strategy: Strategy | None = None,
+    strategy: Strategy | str | None = None,
 ) -> Plan:
-    """The fastest plan whose predicted peak fits ``budget`` (or a strategy's plan, with predictions).
+    """The fastest plan whose predicted peak fits ``budget``, or a strategy's plan.
 
-    Under an initialised ``torch.distributed`` process group with several ranks this is a collective:
-    every rank must call it; the ranks' profiles are merged (the largest bytes and times of any rank),
-    and every rank returns rank 0's plan (NOTE [ One plan for every rank ] in ``remat.plan.ranks``).
+    Budgets need measured sizes, so a solver plans on a :class:`~remat.profile.Profile`; a strategy plans
+    on a profile (its plan then carries predicted figures, to compare on), on blocks, or on a model
+    (its ``remat.blocks``; ``named`` finds its own blocks there, so it needs the model).
+
+    Under an initialised ``torch.distributed`` process group with several ranks, planning on a profile
+    is a collective: every rank must call it; the ranks' profiles are merged (the largest bytes and times
+    of any rank), and every rank returns rank 0's plan (NOTE [ One plan for every rank ] in
+    ``remat.plan.ranks``).
 
     Args:
-        profile: From ``remat.profile``.
+        source: From ``remat.profile``; or blocks (``remat.blocks(model)``) or the model itself, for a
+            strategy that reads no sizes.
         budget: Bytes (an int or ``"1.5GiB"``) or a share of the unplanned peak (``"40%"``): the same
             quantity ``remat.measure`` reports, the peak of a step above the memory held before it.
-        solver: ``"optimal"`` (exact chain DP with nested recomputation) or ``"knapsack"`` (the best
-            single level of individually checkpointed blocks).
-        strategy: Instead of a solver, a rule-of-thumb strategy (``remat.every_nth(2)`` ...), turned into a
-            plan on this profile so it can be compared on predicted figures.
+        solver: A name in :data:`SOLVERS`: ``"optimal"`` (exact chain DP with nested recomputation,
+            sub-module variants and op-level policies), ``"knapsack"`` (the best single level of
+            individually checkpointed blocks) or ``"compile"`` (single blocks and sub-modules, each one
+            torch checkpoint, so torch.compile traces the planned model without graph breaks).
+        strategy: Instead of a solver, a rule-of-thumb strategy: ``remat.every_nth(2)`` ..., or the same as
+            text, as the command line's ``--strategy`` takes it (``"every_nth(2)"``, ``"full"``).
 
     Returns:
-        The :class:`Plan`, with predicted peak and recompute time.
+        The :class:`Plan`; on a profile, with predicted peak and recompute time.
 
     Raises:
         BudgetInfeasibleError: If no plan fits; the message states the smallest feasible peak.
-        RematError: For an unknown solver or a missing budget.
+        RematError: For an unknown solver or strategy, a missing budget, a budget or a sized strategy
+            without a profile, or a source that is none of the above.
         PlanMismatchError: Under a process group, if the ranks profiled different blocks.
     """
-    from remat.plan.ranks import one_plan  # local: remat.distributed imports the plan types
+    if budget is not None:
+        budget = parse_budget(budget)  # its own mistakes first, whatever the source ("0.4": did you mean '40%'?)
+    chosen = parse_strategy(strategy) if isinstance(strategy, str) else strategy
+    if chosen is not None and not isinstance(chosen, Strategy):
+        raise RematError(
+            f"plan: strategy is a {type(chosen).__name__}; give a strategy (remat.every_nth(2) ...) or its text "
+            "('every_nth(2)'); a Plan needs no planning"
+        )
+    if isinstance(source, Profile):
+        from remat.plan.ranks import one_plan  # local: remat.plan.ranks imports the plan types
 
-    return one_plan(profile, lambda prof: _plan_here(prof, budget, solver=solver, strategy=strategy))
+        return one_plan(source, lambda prof: _plan_here(prof, budget, solver=solver, strategy=chosen))
+    what = _describe_source(source)
+    if budget is not None and chosen is not None:
+        raise RematError("plan: give a budget (for a solver) or a strategy, not both")
+    if chosen is None:
+        raise RematError(
+            f"plan: a budget needs measured sizes, not in {what}; plan on a profile: "
+            "remat.plan(remat.profile(model, inputs, loss_fn), budget), or give strategy=... (e.g. 'every_nth(2)')"
+        )
+    if chosen.needs_profile:
+        raise RematError(
+            f"plan: strategy {chosen.name} needs measured block sizes, not in {what}; pass a profile "
+            "instead: remat.plan(remat.profile(model, inputs, loss_fn), strategy=...)"
+        )
+    if isinstance(source, nn.Module):
+        return to_plan(chosen, source)
+    if isinstance(chosen, Named):
+        raise RematError(
+            "plan: strategy named finds its blocks in the model; pass the model: "
+            "remat.plan(model, strategy=remat.named(...))"
+        )
+    return to_plan(chosen, blocks=tuple(source))
+
+
+def _describe_source(source: object) -> str:
+    """What a non-profile ``source`` is, in words; a RematError if it is neither blocks nor a module."""
+    if isinstance(source, nn.Module):
+        return f"the model ({type(source).__name__})"
+    if isinstance(source, Sequence) and not isinstance(source, str) and all(isinstance(b, Block) for b in source):
+        return f"the {len(source)} blocks"
+    raise RematError(
+        f"plan: source is a {type(source).__name__}; give a Profile (remat.profile(model, inputs, loss_fn)), "
+        "blocks (remat.blocks(model)) or the model"
+    )
 
 
 def _plan_here(profile: Profile, budget: int | str | Budget | None, *, solver: str, strategy: Strategy | None) -> Plan:
-    """``plan`` on this process alone."""
+    """``plan`` on a profile, on this process alone."""
     if strategy is not None:
         if budget is not None:
             raise RematError("plan: give a budget (for a solver) or a strategy, not both")
-        return plan_from_ops(profile, strategy.ops(profile.blocks, profile), strategy.label)
-    if solver not in SOLVERS:
-        raise RematError(
-            f"plan: unknown solver {solver!r}; valid solvers are {', '.join(SOLVERS)} "
-            f"(or pass strategy=... for one of {', '.join(STRATEGIES)})"
-        )
+        return plan_from_ops(profile, strategy.ops(Target(profile.blocks, profile)), strategy.label)
+    chosen = solver_named(solver)
     if budget is None:
         raise RematError("plan: a budget is needed, in bytes ('1.5GiB') or as a share of the unplanned peak ('40%')")
     budget_bytes = parse_budget(budget).resolve(profile.peak_bytes)
     chain = chain_of(profile)
-    nested = solver == "optimal" and _nested(profile)
     headroom = budget_bytes - chain.base_bytes
     fixed = max(chain.pre_peak_bytes, chain.base_bytes + chain.tail_peak_bytes)
     ops: tuple[Op, ...] | None = None
@@ -117,25 +287,23 @@ def _plan_here(profile: Profile, budget: int | str | Budget | None, *, solver: s
     if simulate(chain, keep_all).peak_bytes <= budget_bytes:
         ops = keep_all  # nothing to recompute: no solver can do better
     elif fixed <= budget_bytes and headroom >= 0:
-        ops = SOLVERS[solver](profile, chain, headroom)
-    subs = profile.sub_costs() if solver == "optimal" else None
-    smallest = min_peak(chain, nested=nested, sub_costs=subs)
+        ops = chosen.solve(profile, chain, headroom)
+    smallest = chosen.min_peak(profile, chain)
     if ops is None and smallest <= budget_bytes:
         # Memory is discretised on the safe side (NOTE [ Rotor dynamic program ]), so a budget within
         # a few units of the smallest peak can be missed: solve finer, else take the lowest-peak plan.
-        ops = solve(chain, headroom, nested=nested, slots=min(1 << 16, max(1, headroom)), sub_costs=subs) or (
-            min_peak_plan(chain, nested=nested, sub_costs=subs)
+        ops = chosen.solve(profile, chain, headroom, slots=min(1 << 16, max(1, headroom))) or chosen.min_peak_plan(
+            profile, chain
         )
         log.info(
             "plan: budget %s is within rounding of the smallest peak; used a finer solve", format_bytes(budget_bytes)
         )
     if ops is None:
-        cheapest = ops_repr(min_peak_plan(chain, nested=nested, sub_costs=subs))
+        cheapest = ops_repr(chosen.min_peak_plan(profile, chain))
         raise BudgetInfeasibleError(
             f"plan: budget {format_bytes(budget_bytes)} is below the smallest feasible peak {format_bytes(smallest)} "
-            f"({solver}: {cheapest}); raise the budget or lower the batch size",
+            f"({chosen.name}: {cheapest}); raise the budget or lower the batch size",
             budget_bytes=budget_bytes,
             min_peak_bytes=smallest,
         )
-    label = solver if nested or solver == "knapsack" else f"{solver} (single-level: blocks are not a chain)"
-    return plan_from_ops(profile, ops, label, budget_bytes)
+    return plan_from_ops(profile, ops, chosen.name, budget_bytes)

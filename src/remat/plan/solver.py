@@ -86,14 +86,19 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from remat.core.ops import Keep, Op, Recompute, RecomputeSub, validate_ops
+from remat.core.ops import Keep, Op, Recompute, RecomputeOps, RecomputeSub, validate_ops
 from remat.errors import RematError
 from remat.plan.chain import Chain
 
-__all__ = ["Simulation", "SubCosts", "simulate", "solve", "min_peak", "min_peak_plan", "all_plans"]
+__all__ = ["Simulation", "SubCosts", "VariantId", "simulate", "solve", "min_peak", "min_peak_plan", "all_plans"]
 
-SubCosts = Mapping[tuple[int, tuple[str, ...]], tuple[int, float]]
-"""``(block index, fqns) -> (bytes saved relative to Keep, recompute milliseconds)`` for ``RecomputeSub``."""
+# A way to keep a block other than plainly: the sub-modules checkpointed inside it (RecomputeSub), or an
+# op-level policy (RecomputeOps, the operation itself).
+VariantId = tuple[str, ...] | RecomputeOps
+SubCosts = Mapping[tuple[int, VariantId], tuple[int, float]]
+"""``(block index, fqns or RecomputeOps) -> (bytes saved relative to Keep, recompute milliseconds)``
+for ``RecomputeSub`` and ``RecomputeOps``; op-level policies only at the top level of a plan
+(NOTE [ Keep variants ])."""
 
 # Headrooms up to this many bytes are solved in 1-byte units, i.e. exactly.
 _EXACT_MAX_BYTES = 4096
@@ -144,25 +149,50 @@ def _kept_sizes(chain: Chain, k: int, saved: int) -> tuple[int, int, int]:
     return keep - saved, fwd_peak, bwd_peak + saved
 
 
-# A way to keep a block: (sub-modules checkpointed inside it or None, S, fp, bp, extra ms).
-_Variant = tuple[tuple[str, ...] | None, int, int, int, float]
+@dataclass(frozen=True)
+class _TopOnly:
+    """A sub-module variant that the solver may use at the top level of a plan only (``top_level_variants``)."""
+
+    fqns: tuple[str, ...]
+
+
+# A way to keep a block: (variant or None for plain, S, fp, bp, extra ms).
+_Variant = tuple[VariantId | _TopOnly | None, int, int, int, float]
 # The same in the program's units (see _Table.kept).
-_Way = tuple[tuple[str, ...] | None, int, int, int, int, float]
+_Way = tuple[VariantId | _TopOnly | None, int, int, int, int, float]
 
 
-def _variants(chain: Chain, sub_costs: SubCosts | None) -> list[list[_Variant]]:
-    """For every block (and the head), the plain Keep first, then one RecomputeSub per ``sub_costs`` entry."""
+def _top_only(variant: VariantId | _TopOnly | None) -> bool:
+    """Whether a way of keeping a block is allowed only at the top level of a plan (not inside a segment)."""
+    return isinstance(variant, (RecomputeOps, _TopOnly))
+
+
+def _allowed(variant: VariantId | _TopOnly | None, s: int, t: int, n: int) -> bool:
+    """Whether block ``s`` may be kept this way in the range ``s..t`` (``t == n``: the top level)."""
+    return not _top_only(variant) or (t == n and s < t)
+
+
+def _variants(chain: Chain, sub_costs: SubCosts | None, top_only: bool = False) -> list[list[_Variant]]:
+    """For every block (and the head), the plain Keep first, then one variant per ``sub_costs`` entry
+    (``top_only``: sub-module variants too only at the top level of a plan)."""
     out: list[list[_Variant]] = []
     for k in range(chain.n + 1):
         out.append([(None, *_kept_sizes(chain, k, 0), 0.0)])
-    for (k, fqns), (saved, ms) in sorted((sub_costs or {}).items()):
+    for (k, variant), (saved, ms) in sorted((sub_costs or {}).items(), key=lambda kv: (kv[0][0], repr(kv[0][1]))):
         if 0 <= k < chain.n and chain.recomputable[k]:
-            out[k].append((tuple(fqns), *_kept_sizes(chain, k, int(saved)), float(ms)))
+            key: VariantId | _TopOnly = variant if isinstance(variant, RecomputeOps) else tuple(variant)
+            if top_only and isinstance(key, tuple):
+                key = _TopOnly(key)
+            out[k].append((key, *_kept_sizes(chain, k, int(saved)), float(ms)))
     return out
 
 
-def _kept_op(k: int, fqns: tuple[str, ...] | None) -> Op:
-    return Keep(k) if fqns is None else RecomputeSub(k, fqns)
+def _kept_op(k: int, variant: VariantId | _TopOnly | None) -> Op:
+    if variant is None:
+        return Keep(k)
+    if isinstance(variant, _TopOnly):
+        return RecomputeSub(k, variant.fqns)
+    return variant if isinstance(variant, RecomputeOps) else RecomputeSub(k, variant)
 
 
 class _Simulator:
@@ -175,17 +205,17 @@ class _Simulator:
         self.peak = chain.base_bytes
         self.extra_ms = 0.0
 
-    def _block_sizes(self, op: Keep | RecomputeSub) -> tuple[int, int, int]:
-        """(S, fp, bp) of a normally run block; RecomputeSub lowers them by the saved bytes."""
-        saved = self._sub_cost(op)[0] if isinstance(op, RecomputeSub) else 0
+    def _block_sizes(self, op: Keep | RecomputeSub | RecomputeOps) -> tuple[int, int, int]:
+        """(S, fp, bp) of a normally run block; RecomputeSub / RecomputeOps lower them by the saved bytes."""
+        saved = self._sub_cost(op)[0] if isinstance(op, (RecomputeSub, RecomputeOps)) else 0
         return _kept_sizes(self.chain, op.index, saved)
 
-    def _sub_cost(self, op: RecomputeSub) -> tuple[int, float]:
-        key = (op.index, tuple(op.fqns))
+    def _sub_cost(self, op: RecomputeSub | RecomputeOps) -> tuple[int, float]:
+        key: tuple[int, VariantId] = (op.index, op if isinstance(op, RecomputeOps) else tuple(op.fqns))
         if self.sub_costs is None or key not in self.sub_costs:
             raise RematError(
                 f"simulate: no costs for {op!r}; pass sub_costs={{{key!r}: (saved_bytes, recompute_ms)}} "
-                "(measured by the profile) to simulate RecomputeSub."
+                f"(measured by the profile) to simulate {type(op).__name__}."
             )
         return self.sub_costs[key]
 
@@ -227,7 +257,7 @@ class _Simulator:
         self._rise(bwd_peak)
         self.level -= keep - discard
         self.level += int(self.chain.grad_bytes[op.index])  # its parameters' gradients stay
-        if isinstance(op, RecomputeSub):
+        if isinstance(op, (RecomputeSub, RecomputeOps)):
             self.extra_ms += float(self._sub_cost(op)[1])
 
     def head(self) -> None:
@@ -326,10 +356,12 @@ class _Table:
         """Units of ``m`` needed for the no-save forward of ``s..k-1`` in ``(s, t)``."""
         return self.units_for(int(self.nosave_bytes[s, k]) + self.grads_after[t + 1], s)
 
-    def keep_choice(self, s: int, t: int, m: int, value: float) -> tuple[tuple[str, ...] | None, int] | None:
+    def keep_choice(self, s: int, t: int, m: int, value: float) -> tuple[VariantId | _TopOnly | None, int] | None:
         """The first way of keeping ``s`` that reproduces ``value`` at ``(s, t, m)``, and the next ``m``."""
         for way in self.kept[s]:
             fqns, units, _fwd, _bwd_ok, last_ok, fb = way
+            if not _allowed(fqns, s, t, self.n):
+                continue
             if s == t:
                 if m >= last_ok and fb == value:
                     return fqns, m
@@ -405,12 +437,16 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
         for s in range(t, -1, -1):
             row = opt[s, t]
             if s == t:
-                for _fqns, _units, _fwd, _bwd_ok, last_ok, fb in kept[s]:
+                for variant, _units, _fwd, _bwd_ok, last_ok, fb in kept[s]:
+                    if not _allowed(variant, s, t, n):
+                        continue
                     lo = min(max(0, last_ok), size)
                     np.minimum(row[lo:], fb, out=row[lo:])
             else:
                 best = np.full(size, _INF)
                 for way in kept[s]:
+                    if not _allowed(way[0], s, t, n):
+                        continue
                     cand = _shift(opt[s + 1, t], way[1]) + way[5]
                     cand[: max(0, min(table.keep_ok(s, t, way), size))] = _INF
                     np.minimum(best, cand, out=best)
@@ -485,6 +521,7 @@ def solve(
     nested: bool = True,
     slots: int | None = None,
     sub_costs: SubCosts | None = None,
+    top_level_variants: bool = False,
 ) -> tuple[Op, ...] | None:
     """The fastest plan whose chain peak stays within ``base_bytes + headroom_bytes``.
 
@@ -504,6 +541,9 @@ def solve(
             blocks and 250 from about 250 blocks.
         sub_costs: Optional ways to keep a block with sub-modules checkpointed inside it (as for
             :func:`simulate`); the solver then also chooses ``RecomputeSub`` (NOTE [ Keep variants ]).
+        top_level_variants: Allow sub-module variants only where a block is kept at the top level of
+            the plan, not inside a segment (op-level policies always are): with ``nested=False`` the plan
+            is then one that torch.compile traces without graph breaks (NOTE [ Under torch.compile ]).
 
     Returns:
         The plan with the least simulated ``total_ms`` among those the rounding lets through (with
@@ -522,7 +562,7 @@ def solve(
         slots = headroom_bytes if headroom_bytes <= _EXACT_MAX_BYTES else _auto_slots(chain.n)
     unit_bytes = max(1, _ceil_div(headroom_bytes, max(1, slots)))
     top_units = headroom_bytes // unit_bytes
-    table = _fill(chain, unit_bytes, top_units, nested, _variants(chain, sub_costs))
+    table = _fill(chain, unit_bytes, top_units, nested, _variants(chain, sub_costs, top_level_variants))
     if not math.isfinite(table.opt[0, chain.n, top_units]):
         return None
     return _rebuild(table, 0, chain.n, top_units)
@@ -555,7 +595,7 @@ def _held(chain: Chain) -> list[int]:
 
 def _peak_ways(
     chain: Chain, variants: list[list[_Variant]]
-) -> list[list[tuple[tuple[str, ...] | None, int, int, int, int]]]:
+) -> list[list[tuple[VariantId | _TopOnly | None, int, int, int, int]]]:
     """Per block, per way of keeping it: (sub-modules, S, fp, S + bp, peak as the last block of a range)."""
     out = []
     for s, ways in enumerate(variants):
@@ -564,7 +604,7 @@ def _peak_ways(
     return out
 
 
-def _kept_peak(way: tuple[tuple[str, ...] | None, int, int, int, int], grads: int, rest: int) -> int:
+def _kept_peak(way: tuple[VariantId | _TopOnly | None, int, int, int, int], grads: int, rest: int) -> int:
     """Peak of keeping a block (this way) before a range whose peak is ``rest`` and whose backward
     allocates ``grads`` bytes of gradients, above the block's entry level."""
     _fqns, keep, fwd_peak, keep_bwd_peak, _last = way
@@ -590,10 +630,10 @@ def _peak_table(
     after = np.asarray(_grads_after(chain), dtype=np.int64)
     peak = np.zeros((n + 1, n + 1), dtype=np.int64)
     for t in range(n + 1):
-        peak[t, t] = min(way[4] for way in ways[t])
+        peak[t, t] = min(way[4] for way in ways[t] if _allowed(way[0], t, t, n))
         for s in range(t - 1, -1, -1):
             grads = int(after[s + 1] - after[t + 1])
-            best = min(_kept_peak(way, grads, int(peak[s + 1, t])) for way in ways[s])
+            best = min(_kept_peak(way, grads, int(peak[s + 1, t])) for way in ways[s] if _allowed(way[0], s, t, n))
             hi = t + 1 if nested else s + 2
             ks = slice(s + 1, hi)
             inner = after[ks] - after[t + 1] + peak[s, s : hi - 1]
@@ -602,19 +642,22 @@ def _peak_table(
     return peak, nosave
 
 
-def min_peak_plan(chain: Chain, *, nested: bool = True, sub_costs: SubCosts | None = None) -> tuple[Op, ...]:
+def min_peak_plan(
+    chain: Chain, *, nested: bool = True, sub_costs: SubCosts | None = None, top_level_variants: bool = False
+) -> tuple[Op, ...]:
     """A plan reaching the lowest simulated peak of all plans (see :func:`min_peak`).
 
     Args:
         chain: The measured chain of ``n`` blocks and the head.
         nested: ``True`` to allow nested recomputation; ``False`` for single-level plans.
         sub_costs: Optional ways to keep a block with sub-modules checkpointed (NOTE [ Keep variants ]).
+        top_level_variants: As for :func:`solve`.
 
     Returns:
         The plan; among plans with the lowest peak, the one that keeps earliest, then checkpoints the
         shortest segment (not necessarily the fastest).
     """
-    variants = _variants(chain, sub_costs)
+    variants = _variants(chain, sub_costs, top_level_variants)
     peak, nosave = _peak_table(chain, nested, variants)
     ways = _peak_ways(chain, variants)
     n = chain.n
@@ -625,7 +668,11 @@ def min_peak_plan(chain: Chain, *, nested: bool = True, sub_costs: SubCosts | No
         ops: list[Op] = []
         while s < t:
             grads = after[s + 1] - after[t + 1]
-            kept = [way[0] for way in ways[s] if _kept_peak(way, grads, int(peak[s + 1, t])) == peak[s, t]]
+            kept = [
+                way[0]
+                for way in ways[s]
+                if _allowed(way[0], s, t, n) and _kept_peak(way, grads, int(peak[s + 1, t])) == peak[s, t]
+            ]
             if kept:
                 ops.append(_kept_op(s, kept[0]))
                 s += 1
@@ -639,13 +686,17 @@ def min_peak_plan(chain: Chain, *, nested: bool = True, sub_costs: SubCosts | No
             else:  # pragma: no cover - mirrors _peak_table
                 raise RematError(f"min_peak: internal error, no candidate reproduces P({s}, {t}) = {peak[s, t]}")
         if t < n:
-            ops.append(_kept_op(t, next(way[0] for way in ways[t] if way[4] == peak[t, t])))
+            ops.append(
+                _kept_op(t, next(way[0] for way in ways[t] if _allowed(way[0], t, t, n) and way[4] == peak[t, t]))
+            )
         return tuple(ops)
 
     return build(0, n)
 
 
-def min_peak(chain: Chain, *, nested: bool = True, sub_costs: SubCosts | None = None) -> int:
+def min_peak(
+    chain: Chain, *, nested: bool = True, sub_costs: SubCosts | None = None, top_level_variants: bool = False
+) -> int:
     """The lowest simulated peak any plan reaches (recompute as much as helps), bytes.
 
     An exact ``O(n**3)`` recursion on peaks, the counterpart of NOTE [ Rotor dynamic program ] with
@@ -655,12 +706,13 @@ def min_peak(chain: Chain, *, nested: bool = True, sub_costs: SubCosts | None = 
         chain: The measured chain of ``n`` blocks and the head.
         nested: ``True`` to allow nested recomputation; ``False`` for single-level plans.
         sub_costs: Optional ways to keep a block with sub-modules checkpointed (NOTE [ Keep variants ]).
+        top_level_variants: As for :func:`solve`.
 
     Returns:
         ``max(pre_peak_bytes, base_bytes, base_bytes + lowest chain peak, base_bytes +
         tail_peak_bytes)``, bytes: the ``peak_bytes`` :func:`simulate` gives :func:`min_peak_plan`.
     """
-    peak, _ = _peak_table(chain, nested, _variants(chain, sub_costs))
+    peak, _ = _peak_table(chain, nested, _variants(chain, sub_costs, top_level_variants))
     chain_peak = int(peak[0, chain.n])
     return max(
         int(chain.pre_peak_bytes),
@@ -676,9 +728,9 @@ def min_peak(chain: Chain, *, nested: bool = True, sub_costs: SubCosts | None = 
 
 
 def _plans(
-    s: int, t: int, n: int, nested: bool, subs: Mapping[int, Sequence[tuple[str, ...]]]
+    s: int, t: int, n: int, nested: bool, subs: Mapping[int, Sequence[VariantId | _TopOnly]]
 ) -> Iterator[tuple[Op, ...]]:
-    kept: list[Op] = [Keep(s), *(RecomputeSub(s, tuple(f)) for f in subs.get(s, ()))] if s < n else []
+    kept: list[Op] = [Keep(s), *(_kept_op(s, v) for v in subs.get(s, ()) if _allowed(v, s, t, n))] if s < n else []
     if s == t:
         if t == n:
             yield ()
@@ -695,18 +747,28 @@ def _plans(
 
 
 def all_plans(
-    n: int, *, nested: bool = True, subs: Mapping[int, Sequence[tuple[str, ...]]] | None = None
+    n: int,
+    *,
+    nested: bool = True,
+    subs: Mapping[int, Sequence[VariantId]] | None = None,
+    top_level_variants: bool = False,
 ) -> Iterator[tuple[Op, ...]]:
     """Every plan the solvers choose from, for ``n`` blocks (brute force in tests; grows exponentially).
 
     Args:
         n: Number of blocks, the head excluded.
         nested: ``True`` for the plan space of nested recomputation; ``False`` for single-level plans.
-        subs: For each block, the sub-module groups it may be kept with checkpointed (``RecomputeSub``).
+        subs: For each block, the other ways it may be kept: sub-module groups checkpointed
+            (``RecomputeSub``) or op-level policies (``RecomputeOps``, at the top level only).
+        top_level_variants: As for :func:`solve`.
 
     Yields:
         Each plan once, keep-first plans before checkpoint-first ones.
     """
     if n < 0:
         raise RematError(f"all_plans: n={n} must be at least 0.")
-    yield from _plans(0, n, n, nested, subs or {})
+    wrapped: dict[int, list[VariantId | _TopOnly]] = {
+        k: [_TopOnly(tuple(v)) if top_level_variants and isinstance(v, tuple) else v for v in vs]
+        for k, vs in (subs or {}).items()
+    }
+    yield from _plans(0, n, n, nested, wrapped)

@@ -1,18 +1,22 @@
-"""Every classic checkpointing rule from the reference documents, as small validated frozen dataclasses.
+"""Every classic checkpointing rule from the reference documents, each a small validated frozen dataclass.
 
-Each strategy answers which blocks it checkpoints (``checkpointed``/``should_checkpoint``), turns that
-into plan operations (``ops``) and describes itself (``summary``). Strategies that need sizes
-(``largest``, ``budget``, ``dynamic``) read a measured :class:`remat.profile.Profile`.
+A strategy is anything with the :class:`Strategy` protocol: a ``name`` (its key in :data:`STRATEGIES`),
+a ``label`` (name and parameters, the ``strategy`` of the plans it makes), whether it ``needs_profile``
+(reads measured sizes: ``largest``, ``budget``, ``dynamic``), and one method, ``ops``, that turns a
+:class:`Target` (the blocks, and their profile where there is one) into plan operations. The rules share
+helpers, not a base class. ``remat.plan(source, strategy=...)`` turns a strategy into a :class:`Plan`.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import inspect
 import logging
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 from remat.blocks import Block, LayerType
 from remat.core.ops import Keep, Op, Recompute, RecomputeSub
@@ -27,7 +31,20 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "Strategy",
+    "Target",
     "STRATEGIES",
+    "KeepAll",
+    "Full",
+    "EveryNth",
+    "Selective",
+    "Dynamic",
+    "Ratio",
+    "ByKind",
+    "Largest",
+    "GreedyBudget",
+    "Segments",
+    "Sqrt",
+    "Named",
     "none",
     "full",
     "every_nth",
@@ -42,63 +59,85 @@ __all__ = [
     "sqrt",
     "named",
     "parse_strategy",
+    "strategy_params",
     "bench_strategies",
 ]
 
 
-class Strategy:
-    """Shared behaviour of the strategies (each subclass is a frozen dataclass with its parameters)."""
+@dataclass(frozen=True)
+class Target:
+    """What a strategy plans over: the blocks, and their measured profile where there is one.
 
-    name: ClassVar[str]
-    needs_profile: ClassVar[bool] = False
+    Attributes:
+        blocks: The blocks, in forward order.
+        profile: Their profile (``remat.profile``); ``None``: only strategies that read no sizes can plan.
+    """
 
-    def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
-        """Indices of the blocks this strategy checkpoints (wholly or through a sub-module)."""
-        raise NotImplementedError
+    blocks: tuple[Block, ...]
+    profile: Profile | None = None
 
-    def should_checkpoint(self, index: int, blocks: Sequence[Block], profile: Profile | None = None) -> bool:
-        """Whether block ``index`` is checkpointed."""
-        return index in self.checkpointed(blocks, profile)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "blocks", tuple(self.blocks))
 
-    def ops(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[Op, ...]:
-        """The plan operations: each checkpointed block under its own checkpoint."""
-        return single_level_ops(len(blocks), frozenset(self.checkpointed(blocks, profile)))
+    def sizes(self, strategy: str) -> Profile:
+        """The profile, for a strategy that reads measured sizes.
+
+        Args:
+            strategy: The strategy's name, for the message.
+
+        Raises:
+            RematError: If there is no profile, or it is of a different number of blocks.
+        """
+        if self.profile is None:
+            raise RematError(
+                f"strategy {strategy}: needs measured block sizes; pass profile=remat.profile(model, inputs, loss_fn)"
+            )
+        n = len(self.blocks)
+        if len(self.profile.block_profiles) != n:
+            raise RematError(
+                f"strategy {strategy}: the profile has {len(self.profile.block_profiles)} blocks but the model has "
+                f"{n}; profile the same blocks you apply to"
+            )
+        return self.profile
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """A rule that chooses what to recompute: the protocol every registered strategy follows."""
+
+    @property
+    def name(self) -> str:
+        """Its key in :data:`STRATEGIES`, e.g. ``"every_nth"``."""
 
     @property
     def label(self) -> str:
-        """Name and parameters, e.g. ``'every_nth(n=2)'``."""
-        params = ", ".join(f"{f.name}={_short(getattr(self, f.name))}" for f in fields(self))  # type: ignore[arg-type]
-        return f"{self.name}({params})" if params else self.name
+        """Name and parameters, e.g. ``"every_nth(n=2)"``: the ``strategy`` of the plans it makes."""
 
-    def summary(self) -> str:
-        """One line describing the rule."""
-        return f"{self.label}: {self._describe()}"
+    @property
+    def needs_profile(self) -> bool:
+        """Whether :meth:`ops` reads measured sizes (``Target.profile``)."""
 
-    def _describe(self) -> str:
-        raise NotImplementedError
+    def ops(self, target: Target) -> tuple[Op, ...]:
+        """The plan operations over ``target.blocks``, in order, each block covered once.
 
-    def _sizes(self, profile: Profile | None, n: int) -> Profile:
-        if profile is None:
-            raise RematError(
-                f"strategy {self.name}: needs measured block sizes; pass profile=remat.profile(model, inputs, loss_fn)"
-            )
-        if len(profile.block_profiles) != n:
-            raise RematError(
-                f"strategy {self.name}: the profile has {len(profile.block_profiles)} blocks but the model has {n}; "
-                "profile the same blocks you apply to"
-            )
-        return profile
+        Raises:
+            RematError: If the strategy does not fit the blocks, or needs sizes the target lacks.
+        """
 
-    @classmethod
-    def example(cls, blocks: Sequence[Block], profile: Profile | None) -> Strategy | None:
-        """A representative instance for a bench over ``blocks`` (``None``: not meaningful here)."""
-        return None
+
+# ----------------------------------------------------------------------------------------------------
+# Shared helpers
 
 
 def _short(v: Any) -> str:
     if isinstance(v, tuple) and len(v) > 6:
         return f"({', '.join(map(str, v[:6]))}, ...)"
     return repr(v) if isinstance(v, str) else str(v)
+
+
+def _label(name: str, **params: Any) -> str:
+    args = ", ".join(f"{k}={_short(v)}" for k, v in params.items())
+    return f"{name}({args})" if args else name
 
 
 def _check_int(strategy: str, param: str, value: Any, low: int) -> None:
@@ -111,300 +150,9 @@ def _check_fraction(strategy: str, param: str, value: Any) -> None:
         raise RematError(f"strategy {strategy}: {param}={value!r} is outside [0, 1]; give a fraction such as 0.5")
 
 
-@dataclass(frozen=True)
-class _None(Strategy):
-    name: ClassVar[str] = "none"
-
-    def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
-        return ()
-
-    def _describe(self) -> str:
-        return "keep every block (no checkpointing)"
-
-    @classmethod
-    def example(cls, blocks: Sequence[Block], profile: Profile | None) -> Strategy | None:
-        return cls()
-
-
-@dataclass(frozen=True)
-class _Full(Strategy):
-    name: ClassVar[str] = "full"
-
-    def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
-        return tuple(range(len(blocks)))
-
-    def _describe(self) -> str:
-        return "checkpoint every block"
-
-    @classmethod
-    def example(cls, blocks: Sequence[Block], profile: Profile | None) -> Strategy | None:
-        return cls()
-
-
-@dataclass(frozen=True)
-class _EveryNth(Strategy):
-    n: int
-    name: ClassVar[str] = "every_nth"
-
-    def __post_init__(self) -> None:
-        _check_int(self.name, "n", self.n, 1)
-
-    def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
-        return tuple(i for i in range(len(blocks)) if i % self.n == 0)
-
-    def _describe(self) -> str:
-        return f"checkpoint blocks 0, {self.n}, {2 * self.n}, ... (uniform interval)"
-
-    @classmethod
-    def example(cls, blocks: Sequence[Block], profile: Profile | None) -> Strategy | None:
-        return cls(2) if len(blocks) >= 2 else None
-
-
-@dataclass(frozen=True)
-class _Selective(Strategy):
-    indices: tuple[int, ...]
-    name: ClassVar[str] = "selective"
-
-    def __post_init__(self) -> None:
-        if isinstance(self.indices, (int, str)) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in self.indices
-        ):
-            raise RematError(f"strategy selective: indices={self.indices!r} must be a sequence of block indices (ints)")
-        object.__setattr__(self, "indices", tuple(self.indices))
-        negative = [i for i in self.indices if i < 0]
-        if negative:
-            raise RematError(f"strategy selective: indices {negative} are negative; block indices start at 0")
-        dupes = sorted({i for i in self.indices if self.indices.count(i) > 1})
-        if dupes:
-            raise RematError(f"strategy selective: duplicate indices {dupes}; list each block once")
-
-    def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
-        beyond = [i for i in self.indices if i >= len(blocks)]
-        if beyond:
-            raise RematError(
-                f"strategy selective: indices {beyond} are out of range for {len(blocks)} blocks (valid 0..{len(blocks) - 1})"
-            )
-        return tuple(sorted(self.indices))
-
-    def _describe(self) -> str:
-        return f"checkpoint blocks {list(self.indices)}"
-
-    @classmethod
-    def example(cls, blocks: Sequence[Block], profile: Profile | None) -> Strategy | None:
-        n = len(blocks)
-        return cls((0, n // 2)) if n >= 3 else None
-
-
-def _retained(profile: Profile, chosen: set[int] | frozenset[int]) -> int:
-    # Bytes held after the forward when `chosen` blocks are checkpointed one by one (measured sizes).
-    return sum(bp.output_bytes if i in chosen else bp.keep_bytes for i, bp in enumerate(profile.block_profiles))
-
-
-@dataclass(frozen=True)
-class _Dynamic(Strategy):
-    memory_fraction: float
-    min_interval: int = 1
-    name: ClassVar[str] = "dynamic"
-    needs_profile: ClassVar[bool] = True
-
-    def __post_init__(self) -> None:
-        _check_fraction(self.name, "memory_fraction", self.memory_fraction)
-        _check_int(self.name, "min_interval", self.min_interval, 1)
-
-    def interval(self, blocks: Sequence[Block], profile: Profile | None) -> int | None:
-        """The largest checkpoint interval whose measured retained bytes meet the target (None: keep all)."""
-        prof = self._sizes(profile, len(blocks))
-        n = len(blocks)
-        target = self.memory_fraction * _retained(prof, frozenset())
-        if _retained(prof, frozenset()) <= target:
-            return None
-        for k in range(max(n, self.min_interval), self.min_interval - 1, -1):
-            if _retained(prof, frozenset(range(0, n, k))) <= target:
-                return k
-        log.warning(
-            "strategy dynamic: no interval >= %d keeps the activations within %.0f%%; using interval %d",
-            self.min_interval,
-            self.memory_fraction * 100,
-            self.min_interval,
-        )
-        return self.min_interval
-
-    def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
-        k = self.interval(blocks, profile)
-        return () if k is None else tuple(range(0, len(blocks), k))
-
-    def _describe(self) -> str:
-        return (
-            f"checkpoint every k-th block, k the largest interval (>= {self.min_interval}) keeping the measured "
-            f"activations within {self.memory_fraction:.0%} of keeping everything"
-        )
-
-    @classmethod
-    def example(cls, blocks: Sequence[Block], profile: Profile | None) -> Strategy | None:
-        return cls(0.5) if profile is not None else None
-
-
-@dataclass(frozen=True)
-class _Ratio(Strategy):
-    checkpoint_ratio: float
-    name: ClassVar[str] = "ratio"
-
-    def __post_init__(self) -> None:
-        _check_fraction(self.name, "checkpoint_ratio", self.checkpoint_ratio)
-
-    def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
-        n = len(blocks)
-        count = round(self.checkpoint_ratio * n)
-        if count == 0:
-            return ()
-        step = max(1, round(n / count))
-        return tuple(i for i in range(0, n, step))[:count]
-
-    def _describe(self) -> str:
-        return f"checkpoint {self.checkpoint_ratio:.0%} of the blocks, evenly spread"
-
-    @classmethod
-    def example(cls, blocks: Sequence[Block], profile: Profile | None) -> Strategy | None:
-        return cls(0.5)
-
-
-def _by_type(strategy: Strategy, kind: LayerType, min_interval: int, blocks: Sequence[Block]) -> tuple[Op, ...]:
-    ops: list[Op] = []
-    for i, b in enumerate(blocks):
-        subs = b.attention_fqns if kind is LayerType.ATTENTION else b.ffn_fqns
-        if i % min_interval != 0:
-            ops.append(Keep(i))
-        elif b.type_hint is kind:
-            ops.append(Recompute(i, i + 1, (Keep(i),)))
-        elif subs:
-            ops.append(RecomputeSub(i, subs))
-        else:
-            ops.append(Keep(i))
-    if all(isinstance(op, Keep) for op in ops) and not any(
-        b.type_hint is kind or (b.attention_fqns if kind is LayerType.ATTENTION else b.ffn_fqns) for b in blocks
-    ):
-        what = "attention" if kind is LayerType.ATTENTION else "feed-forward (MLP)"
-        raise RematError(
-            f"strategy {strategy.name}: found no {what} block or sub-module in the {len(blocks)} blocks "
-            f"({blocks[0].name if blocks else '-'}..{blocks[-1].name if blocks else '-'}), so it would checkpoint "
-            "nothing; use another strategy (full(), remat.plan(profile, budget)) or choose the blocks yourself"
-        )
-    return tuple(ops)
-
-
-@dataclass(frozen=True)
-class _AttentionOnly(Strategy):
-    min_interval: int = 1
-    name: ClassVar[str] = "attention_only"
-
-    def __post_init__(self) -> None:
-        _check_int(self.name, "min_interval", self.min_interval, 1)
-
-    def ops(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[Op, ...]:
-        return _by_type(self, LayerType.ATTENTION, self.min_interval, blocks)
-
-    def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
-        return tuple(
-            op.index if isinstance(op, RecomputeSub) else op.start
-            for op in self.ops(blocks)
-            if not isinstance(op, Keep)
-        )
-
-    def _describe(self) -> str:
-        return f"checkpoint attention (whole attention blocks, or the attention inside mixed blocks), every {self.min_interval}"
-
-    @classmethod
-    def example(cls, blocks: Sequence[Block], profile: Profile | None) -> Strategy | None:
-        return cls() if any(b.type_hint is LayerType.ATTENTION or b.attention_fqns for b in blocks) else None
-
-
-@dataclass(frozen=True)
-class _FfnOnly(Strategy):
-    min_interval: int = 1
-    name: ClassVar[str] = "ffn_only"
-
-    def __post_init__(self) -> None:
-        _check_int(self.name, "min_interval", self.min_interval, 1)
-
-    def ops(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[Op, ...]:
-        return _by_type(self, LayerType.FFN, self.min_interval, blocks)
-
-    def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
-        return tuple(
-            op.index if isinstance(op, RecomputeSub) else op.start
-            for op in self.ops(blocks)
-            if not isinstance(op, Keep)
-        )
-
-    def _describe(self) -> str:
-        return f"checkpoint feed-forward (whole FFN blocks, or the FFN inside mixed blocks), every {self.min_interval}"
-
-    @classmethod
-    def example(cls, blocks: Sequence[Block], profile: Profile | None) -> Strategy | None:
-        return cls() if any(b.type_hint is LayerType.FFN or b.ffn_fqns for b in blocks) else None
-
-
-@dataclass(frozen=True)
-class _Largest(Strategy):
-    top_k: int
-    name: ClassVar[str] = "largest"
-    needs_profile: ClassVar[bool] = True
-
-    def __post_init__(self) -> None:
-        _check_int(self.name, "top_k", self.top_k, 0)
-
-    def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
-        prof = self._sizes(profile, len(blocks))
-        if self.top_k > len(blocks):
-            raise RematError(
-                f"strategy largest: top_k={self.top_k} exceeds the {len(blocks)} blocks; use 0..{len(blocks)}"
-            )
-        order = sorted(range(len(blocks)), key=lambda i: (-prof.block_profiles[i].saved_bytes, i))
-        return tuple(sorted(order[: self.top_k]))
-
-    def _describe(self) -> str:
-        return f"checkpoint the {self.top_k} blocks that save the most bytes for backward (measured)"
-
-    @classmethod
-    def example(cls, blocks: Sequence[Block], profile: Profile | None) -> Strategy | None:
-        return cls(max(1, len(blocks) // 4)) if profile is not None else None
-
-
-@dataclass(frozen=True)
-class _Budget(Strategy):
-    max_bytes: int
-    name: ClassVar[str] = "budget"
-    needs_profile: ClassVar[bool] = True
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_bytes, (int, float)) and not isinstance(self.max_bytes, bool) and self.max_bytes < 0:
-            raise RematError(
-                f"strategy budget: max_bytes={self.max_bytes!r} is negative; give bytes >= 0 or a size like '200MiB'"
-            )
-        object.__setattr__(self, "max_bytes", parse_bytes(self.max_bytes))
-
-    def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
-        prof = self._sizes(profile, len(blocks))
-        saved = [bp.saved_bytes for bp in prof.block_profiles]
-        remaining = sum(saved)
-        chosen: set[int] = set()
-        # The seed's greedy: most bytes saved per unit of recompute cost first (measured forward time).
-        order = sorted(range(len(blocks)), key=lambda i: (-saved[i] / (prof.block_profiles[i].fwd_ms + 1e-3), i))
-        for i in order:
-            if remaining <= self.max_bytes:
-                break
-            chosen.add(i)
-            remaining -= saved[i]
-        return tuple(sorted(chosen))
-
-    def _describe(self) -> str:
-        return f"greedily checkpoint blocks by saved bytes per recompute ms until saved activations <= {format_bytes(self.max_bytes)}"
-
-    @classmethod
-    def example(cls, blocks: Sequence[Block], profile: Profile | None) -> Strategy | None:
-        if profile is None:
-            return None
-        return cls(sum(bp.saved_bytes for bp in profile.block_profiles) // 2)
+def _each(target: Target, chosen: Iterable[int]) -> tuple[Op, ...]:
+    """Each chosen block under its own checkpoint, the others kept."""
+    return single_level_ops(len(target.blocks), frozenset(chosen))
 
 
 def _segment_bounds(n: int, k: int) -> list[tuple[int, int]]:
@@ -427,53 +175,444 @@ def _segment_ops(n: int, k: int) -> tuple[Op, ...]:
     return tuple(ops)
 
 
+def _retained(profile: Profile, chosen: frozenset[int]) -> int:
+    # Bytes held after the forward when `chosen` blocks are checkpointed one by one (measured sizes).
+    return sum(bp.output_bytes if i in chosen else bp.keep_bytes for i, bp in enumerate(profile.block_profiles))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The strategies
+
+
 @dataclass(frozen=True)
-class _Segments(Strategy):
+class KeepAll:
+    """``none``: keep every block, the baseline."""
+
+    name: ClassVar[str] = "none"
+    needs_profile: ClassVar[bool] = False
+
+    @property
+    def label(self) -> str:
+        """See :attr:`Strategy.label`."""
+        return _label(self.name)
+
+    def summary(self) -> str:
+        """The rule in one line."""
+        return f"{self.label}: keep every block (no checkpointing)"
+
+    def ops(self, target: Target) -> tuple[Op, ...]:
+        """See :meth:`Strategy.ops`."""
+        return _each(target, ())
+
+
+@dataclass(frozen=True)
+class Full:
+    """``full``: checkpoint every block."""
+
+    name: ClassVar[str] = "full"
+    needs_profile: ClassVar[bool] = False
+
+    @property
+    def label(self) -> str:
+        """See :attr:`Strategy.label`."""
+        return _label(self.name)
+
+    def summary(self) -> str:
+        """The rule in one line."""
+        return f"{self.label}: checkpoint every block"
+
+    def ops(self, target: Target) -> tuple[Op, ...]:
+        """See :meth:`Strategy.ops`."""
+        return _each(target, range(len(target.blocks)))
+
+
+@dataclass(frozen=True)
+class EveryNth:
+    """``every_nth``: checkpoint blocks 0, n, 2n, ...
+
+    Attributes:
+        n: The interval, >= 1.
+    """
+
+    n: int
+    name: ClassVar[str] = "every_nth"
+    needs_profile: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        _check_int(self.name, "n", self.n, 1)
+
+    @property
+    def label(self) -> str:
+        """See :attr:`Strategy.label`."""
+        return _label(self.name, n=self.n)
+
+    def summary(self) -> str:
+        """The rule in one line."""
+        return f"{self.label}: checkpoint blocks 0, {self.n}, {2 * self.n}, ... (uniform interval)"
+
+    def ops(self, target: Target) -> tuple[Op, ...]:
+        """See :meth:`Strategy.ops`."""
+        return _each(target, range(0, len(target.blocks), self.n))
+
+
+@dataclass(frozen=True)
+class Selective:
+    """``selective``: checkpoint the listed blocks.
+
+    Attributes:
+        indices: Block indices, each >= 0 and listed once.
+    """
+
+    indices: tuple[int, ...]
+    name: ClassVar[str] = "selective"
+    needs_profile: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.indices, (int, str)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in self.indices
+        ):
+            raise RematError(f"strategy selective: indices={self.indices!r} must be a sequence of block indices (ints)")
+        object.__setattr__(self, "indices", tuple(self.indices))
+        negative = [i for i in self.indices if i < 0]
+        if negative:
+            raise RematError(f"strategy selective: indices {negative} are negative; block indices start at 0")
+        dupes = sorted({i for i in self.indices if self.indices.count(i) > 1})
+        if dupes:
+            raise RematError(f"strategy selective: duplicate indices {dupes}; list each block once")
+
+    @property
+    def label(self) -> str:
+        """See :attr:`Strategy.label`."""
+        return _label(self.name, indices=self.indices)
+
+    def summary(self) -> str:
+        """The rule in one line."""
+        return f"{self.label}: checkpoint blocks {list(self.indices)}"
+
+    def ops(self, target: Target) -> tuple[Op, ...]:
+        """See :meth:`Strategy.ops`."""
+        n = len(target.blocks)
+        beyond = [i for i in self.indices if i >= n]
+        if beyond:
+            raise RematError(f"strategy selective: indices {beyond} are out of range for {n} blocks (valid 0..{n - 1})")
+        return _each(target, self.indices)
+
+
+@dataclass(frozen=True)
+class Dynamic:
+    """``dynamic``: every k-th block, k as large as keeps the measured activations within a share.
+
+    Attributes:
+        memory_fraction: Target share of the activations kept with no checkpointing, in [0, 1].
+        min_interval: The smallest interval allowed, >= 1.
+    """
+
+    memory_fraction: float
+    min_interval: int = 1
+    name: ClassVar[str] = "dynamic"
+    needs_profile: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        _check_fraction(self.name, "memory_fraction", self.memory_fraction)
+        _check_int(self.name, "min_interval", self.min_interval, 1)
+
+    @property
+    def label(self) -> str:
+        """See :attr:`Strategy.label`."""
+        return _label(self.name, memory_fraction=self.memory_fraction, min_interval=self.min_interval)
+
+    def summary(self) -> str:
+        """The rule in one line."""
+        return (
+            f"{self.label}: checkpoint every k-th block, k the largest interval (>= {self.min_interval}) keeping "
+            f"the measured activations within {self.memory_fraction:.0%} of keeping everything"
+        )
+
+    def interval(self, target: Target) -> int | None:
+        """The largest checkpoint interval whose measured retained bytes meet the target (``None``: keep all)."""
+        prof = target.sizes(self.name)
+        n = len(target.blocks)
+        target_bytes = self.memory_fraction * _retained(prof, frozenset())
+        if _retained(prof, frozenset()) <= target_bytes:
+            return None
+        for k in range(max(n, self.min_interval), self.min_interval - 1, -1):
+            if _retained(prof, frozenset(range(0, n, k))) <= target_bytes:
+                return k
+        log.warning(
+            "strategy dynamic: no interval >= %d keeps the activations within %.0f%%; using interval %d",
+            self.min_interval,
+            self.memory_fraction * 100,
+            self.min_interval,
+        )
+        return self.min_interval
+
+    def ops(self, target: Target) -> tuple[Op, ...]:
+        """See :meth:`Strategy.ops`."""
+        k = self.interval(target)
+        return _each(target, () if k is None else range(0, len(target.blocks), k))
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """``ratio``: checkpoint a share of the blocks, evenly spread (the seed's ``Selective(checkpoint_ratio)``).
+
+    Attributes:
+        checkpoint_ratio: Share of blocks to checkpoint, in [0, 1].
+    """
+
+    checkpoint_ratio: float
+    name: ClassVar[str] = "ratio"
+    needs_profile: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        _check_fraction(self.name, "checkpoint_ratio", self.checkpoint_ratio)
+
+    @property
+    def label(self) -> str:
+        """See :attr:`Strategy.label`."""
+        return _label(self.name, checkpoint_ratio=self.checkpoint_ratio)
+
+    def summary(self) -> str:
+        """The rule in one line."""
+        return f"{self.label}: checkpoint {self.checkpoint_ratio:.0%} of the blocks, evenly spread"
+
+    def ops(self, target: Target) -> tuple[Op, ...]:
+        """See :meth:`Strategy.ops`."""
+        n = len(target.blocks)
+        count = round(self.checkpoint_ratio * n)
+        if count == 0:
+            return _each(target, ())
+        step = max(1, round(n / count))
+        return _each(target, tuple(range(0, n, step))[:count])
+
+
+class _Kind(NamedTuple):
+    name: str  # the registry name of ByKind for this kind
+    what: str  # in messages
+    words: str  # in the summary
+
+
+_KINDS: dict[LayerType, _Kind] = {
+    LayerType.ATTENTION: _Kind(
+        "attention_only", "attention", "attention (whole attention blocks, or the attention inside mixed blocks)"
+    ),
+    LayerType.FFN: _Kind(
+        "ffn_only", "feed-forward (MLP)", "feed-forward (whole FFN blocks, or the FFN inside mixed blocks)"
+    ),
+}
+
+
+def _subs(block: Block, kind: LayerType) -> tuple[str, ...]:
+    return block.attention_fqns if kind is LayerType.ATTENTION else block.ffn_fqns
+
+
+@dataclass(frozen=True)
+class ByKind:
+    """``attention_only`` / ``ffn_only``: blocks of one kind wholly, that kind's sub-module inside mixed blocks.
+
+    Attributes:
+        kind: ``LayerType.ATTENTION`` or ``LayerType.FFN``.
+        min_interval: Only blocks whose index is a multiple of this, >= 1.
+    """
+
+    kind: LayerType
+    min_interval: int = 1
+    needs_profile: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise RematError(
+                f"strategy ByKind: kind={self.kind!r} has no strategy; use one of "
+                f"{', '.join(f'LayerType.{k.name}' for k in _KINDS)}"
+            )
+        _check_int(self.name, "min_interval", self.min_interval, 1)
+
+    @property
+    def name(self) -> str:
+        """``"attention_only"`` or ``"ffn_only"``."""
+        return _KINDS[self.kind].name
+
+    @property
+    def label(self) -> str:
+        """See :attr:`Strategy.label`."""
+        return _label(self.name, min_interval=self.min_interval)
+
+    def summary(self) -> str:
+        """The rule in one line."""
+        return f"{self.label}: checkpoint {_KINDS[self.kind].words}, every {self.min_interval}"
+
+    def ops(self, target: Target) -> tuple[Op, ...]:
+        """See :meth:`Strategy.ops`."""
+        blocks = target.blocks
+        ops: list[Op] = []
+        for i, b in enumerate(blocks):
+            if i % self.min_interval != 0:
+                ops.append(Keep(i))
+            elif b.type_hint is self.kind:
+                ops.append(Recompute(i, i + 1, (Keep(i),)))
+            elif _subs(b, self.kind):
+                ops.append(RecomputeSub(i, _subs(b, self.kind)))
+            else:
+                ops.append(Keep(i))
+        if not any(b.type_hint is self.kind or _subs(b, self.kind) for b in blocks):
+            raise RematError(
+                f"strategy {self.name}: found no {_KINDS[self.kind].what} block or sub-module in the {len(blocks)} "
+                f"blocks ({blocks[0].name if blocks else '-'}..{blocks[-1].name if blocks else '-'}), so it would "
+                "checkpoint nothing; use another strategy (full(), remat.plan(profile, budget)) or choose the "
+                "blocks yourself"
+            )
+        return tuple(ops)
+
+
+@dataclass(frozen=True)
+class Largest:
+    """``largest``: checkpoint the ``top_k`` blocks that save the most bytes for backward (measured).
+
+    Attributes:
+        top_k: How many blocks, >= 0.
+    """
+
+    top_k: int
+    name: ClassVar[str] = "largest"
+    needs_profile: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        _check_int(self.name, "top_k", self.top_k, 0)
+
+    @property
+    def label(self) -> str:
+        """See :attr:`Strategy.label`."""
+        return _label(self.name, top_k=self.top_k)
+
+    def summary(self) -> str:
+        """The rule in one line."""
+        return f"{self.label}: checkpoint the {self.top_k} blocks that save the most bytes for backward (measured)"
+
+    def ops(self, target: Target) -> tuple[Op, ...]:
+        """See :meth:`Strategy.ops`."""
+        prof = target.sizes(self.name)
+        n = len(target.blocks)
+        if self.top_k > n:
+            raise RematError(f"strategy largest: top_k={self.top_k} exceeds the {n} blocks; use 0..{n}")
+        order = sorted(range(n), key=lambda i: (-prof.block_profiles[i].saved_bytes, i))
+        return _each(target, order[: self.top_k])
+
+
+@dataclass(frozen=True)
+class GreedyBudget:
+    """``budget``: the seed's greedy, by saved bytes per recompute ms until the saved bytes fit.
+
+    Attributes:
+        max_bytes: Saved activations allowed, bytes (or a size such as ``"200MiB"``, parsed), >= 0.
+    """
+
+    max_bytes: int
+    name: ClassVar[str] = "budget"
+    needs_profile: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_bytes, (int, float)) and not isinstance(self.max_bytes, bool) and self.max_bytes < 0:
+            raise RematError(
+                f"strategy budget: max_bytes={self.max_bytes!r} is negative; give bytes >= 0 or a size like '200MiB'"
+            )
+        object.__setattr__(self, "max_bytes", parse_bytes(self.max_bytes))
+
+    @property
+    def label(self) -> str:
+        """See :attr:`Strategy.label`."""
+        return _label(self.name, max_bytes=self.max_bytes)
+
+    def summary(self) -> str:
+        """The rule in one line."""
+        return (
+            f"{self.label}: greedily checkpoint blocks by saved bytes per recompute ms until saved activations "
+            f"<= {format_bytes(self.max_bytes)}"
+        )
+
+    def ops(self, target: Target) -> tuple[Op, ...]:
+        """See :meth:`Strategy.ops`."""
+        prof = target.sizes(self.name)
+        saved = [bp.saved_bytes for bp in prof.block_profiles]
+        remaining = sum(saved)
+        chosen: set[int] = set()
+        # The seed's greedy: most bytes saved per unit of recompute cost first (measured forward time).
+        order = sorted(range(len(saved)), key=lambda i: (-saved[i] / (prof.block_profiles[i].fwd_ms + 1e-3), i))
+        for i in order:
+            if remaining <= self.max_bytes:
+                break
+            chosen.add(i)
+            remaining -= saved[i]
+        return _each(target, chosen)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """``segments``: cut the blocks into ``k`` even segments and checkpoint all but the last.
+
+    Attributes:
+        k: Number of segments, >= 1.
+    """
+
     k: int
     name: ClassVar[str] = "segments"
+    needs_profile: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         _check_int(self.name, "k", self.k, 1)
 
-    def ops(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[Op, ...]:
-        if self.k > len(blocks):
-            raise RematError(f"strategy segments: k={self.k} exceeds the {len(blocks)} blocks; use 1..{len(blocks)}")
-        return _segment_ops(len(blocks), self.k)
+    @property
+    def label(self) -> str:
+        """See :attr:`Strategy.label`."""
+        return _label(self.name, k=self.k)
 
-    def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
-        return tuple(i for op in self.ops(blocks) if isinstance(op, Recompute) for i in range(op.start, op.stop))
+    def summary(self) -> str:
+        """The rule in one line."""
+        return f"{self.label}: cut the blocks into {self.k} even segments; checkpoint all but the last (checkpoint_sequential)"
 
-    def _describe(self) -> str:
-        return f"cut the blocks into {self.k} even segments; checkpoint all but the last (checkpoint_sequential)"
-
-    @classmethod
-    def example(cls, blocks: Sequence[Block], profile: Profile | None) -> Strategy | None:
-        return cls(2) if len(blocks) >= 4 and (profile is None or profile.is_chain) else None
+    def ops(self, target: Target) -> tuple[Op, ...]:
+        """See :meth:`Strategy.ops`."""
+        n = len(target.blocks)
+        if self.k > n:
+            raise RematError(f"strategy segments: k={self.k} exceeds the {n} blocks; use 1..{n}")
+        return _segment_ops(n, self.k)
 
 
 @dataclass(frozen=True)
-class _Sqrt(Strategy):
-    name: ClassVar[str] = "sqrt"
+class Sqrt:
+    """``sqrt``: ``segments(round(sqrt(n)))``, the classic O(sqrt n) memory schedule."""
 
-    def ops(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[Op, ...]:
-        n = len(blocks)
+    name: ClassVar[str] = "sqrt"
+    needs_profile: ClassVar[bool] = False
+
+    @property
+    def label(self) -> str:
+        """See :attr:`Strategy.label`."""
+        return _label(self.name)
+
+    def summary(self) -> str:
+        """The rule in one line."""
+        return f"{self.label}: cut the blocks into round(sqrt(n)) segments; checkpoint all but the last"
+
+    def ops(self, target: Target) -> tuple[Op, ...]:
+        """See :meth:`Strategy.ops`."""
+        n = len(target.blocks)
         return _segment_ops(n, max(1, round(math.sqrt(n)))) if n else ()
 
-    def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
-        return tuple(i for op in self.ops(blocks) if isinstance(op, Recompute) for i in range(op.start, op.stop))
-
-    def _describe(self) -> str:
-        return "cut the blocks into round(sqrt(n)) segments; checkpoint all but the last"
-
-    @classmethod
-    def example(cls, blocks: Sequence[Block], profile: Profile | None) -> Strategy | None:
-        return cls() if len(blocks) >= 4 and (profile is None or profile.is_chain) else None
-
 
 @dataclass(frozen=True)
-class _Named(Strategy):
+class Named:
+    """``named``: checkpoint named blocks (NNTrainer's ``addCheckpointBlock``), each group's inside recomputed.
+
+    Its blocks are the groups themselves: ``remat.plan(model, strategy=...)`` finds them in the model
+    (``remat.blocks(model, named=groups)``).
+
+    Attributes:
+        groups: Lists of consecutive sibling module FQNs; each list is one block.
+    """
+
     groups: tuple[tuple[str, ...], ...]
     name: ClassVar[str] = "named"
+    needs_profile: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if isinstance(self.groups, str) or not self.groups:
@@ -482,7 +621,21 @@ class _Named(Strategy):
             )
         object.__setattr__(self, "groups", tuple((g,) if isinstance(g, str) else tuple(g) for g in self.groups))
 
-    def checkpointed(self, blocks: Sequence[Block], profile: Profile | None = None) -> tuple[int, ...]:
+    @property
+    def label(self) -> str:
+        """See :attr:`Strategy.label`."""
+        return _label(self.name, groups=self.groups)
+
+    def summary(self) -> str:
+        """The rule in one line."""
+        return (
+            f"{self.label}: checkpoint the named blocks {[list(g) for g in self.groups]} (inputs and outputs kept, "
+            "inside recomputed)"
+        )
+
+    def ops(self, target: Target) -> tuple[Op, ...]:
+        """See :meth:`Strategy.ops`."""
+        blocks = target.blocks
         have = {b.fqns for b in blocks}
         missing = [list(g) for g in self.groups if g not in have]
         if missing:
@@ -491,138 +644,150 @@ class _Named(Strategy):
                 "apply it to the model (remat.apply(model, remat.named(...))) or profile with "
                 "blocks=remat.blocks(model, named=...)"
             )
-        return tuple(i for i, b in enumerate(blocks) if b.fqns in set(self.groups))
-
-    def _describe(self) -> str:
-        return (
-            f"checkpoint the named blocks {[list(g) for g in self.groups]} (inputs and outputs kept, inside recomputed)"
-        )
+        return _each(target, (i for i, b in enumerate(blocks) if b.fqns in set(self.groups)))
 
 
-STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls
-    for cls in (
-        _None,
-        _Full,
-        _EveryNth,
-        _Selective,
-        _Dynamic,
-        _Ratio,
-        _AttentionOnly,
-        _FfnOnly,
-        _Largest,
-        _Budget,
-        _Segments,
-        _Sqrt,
-        _Named,
-    )
+# NOTE [ Strategy registry ]: the one list of strategy names. parse_strategy, its error messages, the
+# CLI's --strategy help and remat.__all__ read it; each factory takes the parameters that
+# ``parse_strategy("name(...)")`` passes, positionally or by keyword.
+STRATEGIES: dict[str, Callable[..., Strategy]] = {
+    "none": KeepAll,
+    "full": Full,
+    "every_nth": EveryNth,
+    "selective": Selective,
+    "dynamic": Dynamic,
+    "ratio": Ratio,
+    "attention_only": functools.partial(ByKind, LayerType.ATTENTION),
+    "ffn_only": functools.partial(ByKind, LayerType.FFN),
+    "largest": Largest,
+    "budget": GreedyBudget,
+    "segments": Segments,
+    "sqrt": Sqrt,
+    "named": Named,
 }
 
 
-def none() -> Strategy:
+# ----------------------------------------------------------------------------------------------------
+# The public constructors (remat.full() ...)
+
+
+def none() -> KeepAll:
     """Keep every block: the baseline."""
-    return _None()
+    return KeepAll()
 
 
-def full() -> Strategy:
+def full() -> Full:
     """Checkpoint every block (HuggingFace's gradient_checkpointing_enable)."""
-    return _Full()
+    return Full()
 
 
-def every_nth(n: int) -> Strategy:
+def every_nth(n: int) -> EveryNth:
     """Checkpoint blocks 0, n, 2n, ... (the seeds' Uniform(interval) / EveryNthLayer(n)).
 
     Args:
         n: The interval, >= 1.
     """
-    return _EveryNth(n)
+    return EveryNth(n)
 
 
-def selective(indices: Sequence[int]) -> Strategy:
+def selective(indices: Sequence[int]) -> Selective:
     """Checkpoint the listed blocks.
 
     Args:
         indices: Block indices, each >= 0 and listed once.
     """
-    return _Selective(tuple(indices))
+    return Selective(tuple(indices))
 
 
-def dynamic(memory_fraction: float, *, min_interval: int = 1) -> Strategy:
+def dynamic(memory_fraction: float, *, min_interval: int = 1) -> Dynamic:
     """Checkpoint every k-th block, k as large as keeps the measured activations within a share.
 
     Args:
         memory_fraction: Target share of the activations kept with no checkpointing, in [0, 1].
         min_interval: The smallest interval allowed, >= 1.
     """
-    return _Dynamic(memory_fraction, min_interval)
+    return Dynamic(memory_fraction, min_interval)
 
 
-def ratio(checkpoint_ratio: float) -> Strategy:
+def ratio(checkpoint_ratio: float) -> Ratio:
     """Checkpoint a share of the blocks, evenly spread (the seed's Selective(checkpoint_ratio)).
 
     Args:
         checkpoint_ratio: Share of blocks to checkpoint, in [0, 1].
     """
-    return _Ratio(checkpoint_ratio)
+    return Ratio(checkpoint_ratio)
 
 
-def attention_only(*, min_interval: int = 1) -> Strategy:
+def attention_only(*, min_interval: int = 1) -> ByKind:
     """Checkpoint attention: attention blocks wholly, the attention sub-module of mixed blocks.
 
     Args:
         min_interval: Only blocks whose index is a multiple of this, >= 1.
     """
-    return _AttentionOnly(min_interval)
+    return ByKind(LayerType.ATTENTION, min_interval)
 
 
-def ffn_only(*, min_interval: int = 1) -> Strategy:
+def ffn_only(*, min_interval: int = 1) -> ByKind:
     """Checkpoint feed-forward: FFN blocks wholly, the FFN sub-module of mixed blocks.
 
     Args:
         min_interval: Only blocks whose index is a multiple of this, >= 1.
     """
-    return _FfnOnly(min_interval)
+    return ByKind(LayerType.FFN, min_interval)
 
 
-def largest(top_k: int) -> Strategy:
+def largest(top_k: int) -> Largest:
     """Checkpoint the ``top_k`` blocks that save the most bytes for backward (measured).
 
     Args:
         top_k: How many blocks, >= 0.
     """
-    return _Largest(top_k)
+    return Largest(top_k)
 
 
-def budget(max_bytes: int | str) -> Strategy:
+def budget(max_bytes: int | str) -> GreedyBudget:
     """The seed's greedy budget: checkpoint by bytes per recompute ms until saved bytes fit.
 
     Args:
         max_bytes: Saved activations allowed, bytes or a size such as ``"200MiB"``, >= 0.
     """
-    return _Budget(max_bytes)  # type: ignore[arg-type]
+    return GreedyBudget(max_bytes)  # type: ignore[arg-type]  # parsed to bytes in __post_init__
 
 
-def segments(k: int) -> Strategy:
+def segments(k: int) -> Segments:
     """Cut the blocks into ``k`` even segments and checkpoint all but the last.
 
     Args:
         k: Number of segments, >= 1.
     """
-    return _Segments(k)
+    return Segments(k)
 
 
-def sqrt() -> Strategy:
+def sqrt() -> Sqrt:
     """``segments(round(sqrt(n)))``: the classic O(sqrt n) memory schedule."""
-    return _Sqrt()
+    return Sqrt()
 
 
-def named(groups: Sequence[Sequence[str] | str]) -> Strategy:
+def named(groups: Sequence[Sequence[str] | str]) -> Named:
     """Checkpoint named blocks (NNTrainer's ``addCheckpointBlock``): each group's inside is recomputed.
 
     Args:
         groups: Lists of consecutive sibling module FQNs; each list is one block.
     """
-    return _Named(tuple(tuple(g) if not isinstance(g, str) else (g,) for g in groups))
+    return Named(tuple(tuple(g) if not isinstance(g, str) else (g,) for g in groups))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading strategies from text, and the bench's representatives
+
+
+def strategy_params(name: str) -> tuple[str, ...]:
+    """The parameters of the registered strategy ``name``, in order (``("n",)`` for ``every_nth``).
+
+    Raises:
+        KeyError: If ``name`` is not in :data:`STRATEGIES`.
+    """
+    return tuple(inspect.signature(STRATEGIES[name]).parameters)
 
 
 def parse_strategy(text: str) -> Strategy:
@@ -650,21 +815,42 @@ def parse_strategy(text: str) -> Strategy:
             kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg}
         except (SyntaxError, ValueError):
             raise bad from None
-    cls = STRATEGIES[name]
-    if name == "selective" and args:
-        args = (tuple(args[0]) if isinstance(args[0], (list, tuple)) else args[0],)
     try:
-        return cls(*args, **kwargs)
+        return STRATEGIES[name](*args, **kwargs)
     except TypeError:
-        params = ", ".join(f.name for f in fields(cls))  # type: ignore[arg-type]
-        raise RematError(f"strategy: {text!r} does not match {name}({params})") from None
+        raise RematError(f"strategy: {text!r} does not match {name}({', '.join(strategy_params(name))})") from None
 
 
 def bench_strategies(blocks: Sequence[Block], profile: Profile | None) -> list[Strategy]:
-    """One representative instance of every registered strategy that makes sense for ``blocks``."""
-    out = []
-    for cls in STRATEGIES.values():
-        inst = cls.example(blocks, profile)
-        if inst is not None:
-            out.append(inst)
-    return out
+    """One representative instance of every registered strategy that makes sense for ``blocks``.
+
+    Strategies that read sizes are left out without a profile, segment rules on blocks that do not form
+    a chain, attention/FFN rules where there is no such block, and ``named`` (it names its own blocks).
+
+    Args:
+        blocks: The blocks to plan over.
+        profile: Their profile, or ``None``.
+
+    Returns:
+        The instances, in registry order.
+    """
+    n = len(blocks)
+    chain = n >= 4 and (profile is None or profile.is_chain)
+    has = {kind: any(b.type_hint is kind or _subs(b, kind) for b in blocks) for kind in _KINDS}
+    examples: dict[str, Strategy | None] = {
+        "none": KeepAll(),
+        "full": Full(),
+        "every_nth": EveryNth(2) if n >= 2 else None,
+        "selective": Selective((0, n // 2)) if n >= 3 else None,
+        "dynamic": Dynamic(0.5) if profile is not None else None,
+        "ratio": Ratio(0.5),
+        "attention_only": ByKind(LayerType.ATTENTION) if has[LayerType.ATTENTION] else None,
+        "ffn_only": ByKind(LayerType.FFN) if has[LayerType.FFN] else None,
+        "largest": Largest(max(1, n // 4)) if profile is not None else None,
+        "budget": GreedyBudget(sum(bp.saved_bytes for bp in profile.block_profiles) // 2)
+        if profile is not None
+        else None,
+        "segments": Segments(2) if chain else None,
+        "sqrt": Sqrt() if chain else None,
+    }
+    return [s for s in (examples.get(name) for name in STRATEGIES) if s is not None]

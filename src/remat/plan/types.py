@@ -8,6 +8,8 @@ One set of words says what a plan does with a block, everywhere a plan is shown 
                               (``Recompute`` of one block);
   kept, attention recomputed  the block runs normally except its attention (or MLP, or the named
                               sub-modules), which is checkpointed and runs again (``RecomputeSub``);
+  kept, selected operations   the block runs under an op-level policy: the outputs of some of its
+  recomputed                  operations are cached, the others run again (``RecomputeOps``);
   in a recomputed segment     consecutive blocks run under one checkpoint and run again, together, in
                               the backward (``Recompute`` of several blocks). While a segment runs
                               again its blocks keep what they save, except where the plan nests a
@@ -27,11 +29,22 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from remat._json import Reader, load
 from remat.blocks import Block
-from remat.core.ops import Keep, Op, Recompute, RecomputeSub, ops_from_json, ops_repr, ops_to_json, validate_ops
+from remat.core.ops import (
+    Keep,
+    Op,
+    Recompute,
+    RecomputeOps,
+    RecomputeSub,
+    ops_from_json,
+    ops_repr,
+    ops_to_json,
+    validate_ops,
+)
+from remat.core.selective import ops_in_words
 from remat.errors import RematError
 from remat.units import format_bytes, format_ms
 
@@ -43,14 +56,17 @@ __all__ = [
     "LEGEND",
     "block_fates",
     "ops_from_text",
+    "part_kind",
     "sub_kind",
     "times_in_words",
+    "SELECTED_OPS",
 ]
 
 LEGEND = (
     "K3: block 3 kept; R[1:4](...): blocks 1 to 3 recomputed as one segment, the brackets saying what "
     "happens inside it when it runs again (a nested R runs once more); S3{...}: block 3 kept, the named "
-    "sub-modules (its attention or MLP) recomputed"
+    "sub-modules (its attention or MLP) recomputed; O3{a|b}: block 3 kept under an op-level policy, the "
+    "outputs of operations b cached and the others run again (a: those whose saved outputs that frees)"
 )
 """How to read the compact form of :meth:`Plan.describe` (NOTE [ Plan vocabulary ])."""
 
@@ -74,11 +90,16 @@ class BlockFate:
             recomputed; 2 and more: nested segments).
         subs: The sub-modules recomputed inside it (``Fate.PART``, or a sub-module checkpointed again
             inside a segment), by name.
+        op: Position in ``Plan.ops`` of the top-level operation that covers the block: blocks sharing
+            it run under one checkpoint (a segment), or it is their own.
+        op_level: Whether it runs under an op-level policy (``RecomputeOps``, ``Fate.PART``).
     """
 
     fate: Fate
     times: int = 0
     subs: tuple[str, ...] = ()
+    op: int = 0
+    op_level: bool = False
 
 
 class PlanLine(NamedTuple):
@@ -100,29 +121,41 @@ class PlanLine(NamedTuple):
 def block_fates(ops: Sequence[Op]) -> tuple[BlockFate, ...]:
     """What ``ops`` does with each block, in block order (NOTE [ Plan vocabulary ]).
 
+    This is the one walk of the plan tree that classifies blocks: ``Plan.checkpointed``, ``Plan.depth``,
+    ``Plan.headline``, the tables' counts and the heatmap read it; ``Plan.lines`` is the one that renders.
+
     Args:
         ops: A plan's operations (``Plan.ops``), covering every block once.
 
     Returns:
         One :class:`BlockFate` per block covered.
     """
+    fates = _fates(ops)
+    return tuple(fates[i] for i in sorted(fates))
+
+
+def _fates(ops: Sequence[Op]) -> dict[int, BlockFate]:
+    """Block index -> its fate, for the blocks ``ops`` covers (see :func:`block_fates`)."""
     out: dict[int, BlockFate] = {}
 
-    def walk(inner: Sequence[Op], depth: int, fate: Fate) -> None:
-        for op in inner:
+    def walk(inner: Sequence[Op], depth: int, fate: Fate, top: int) -> None:
+        for pos, op in enumerate(inner):
+            at = top if depth else pos
             if isinstance(op, Keep):
-                out[op.index] = BlockFate(fate, depth)
+                out[op.index] = BlockFate(fate, depth, (), at)
             elif isinstance(op, RecomputeSub):
-                out[op.index] = BlockFate(fate if depth else Fate.PART, depth, op.fqns)
+                out[op.index] = BlockFate(fate if depth else Fate.PART, depth, op.fqns, at)
+            elif isinstance(op, RecomputeOps):
+                out[op.index] = BlockFate(fate if depth else Fate.PART, depth, (), at, op_level=True)
             else:
                 outer = fate if depth else Fate.SEGMENT if op.stop - op.start > 1 else Fate.RECOMPUTED
-                walk(op.inner, depth + 1, outer)
+                walk(op.inner, depth + 1, outer, at)
 
-    walk(ops, 0, Fate.KEPT)
-    return tuple(out[i] for i in sorted(out))
+    walk(ops, 0, Fate.KEPT, 0)
+    return out
 
 
-_TOKEN = re.compile(r"K(\d+)|S(\d+)\{([^}]*)\}|R\[(\d+):(\d+)\]\(|(\))")
+_TOKEN = re.compile(r"K(\d+)|S(\d+)\{([^}]*)\}|R\[(\d+):(\d+)\]\(|(\))|O(\d+)\{([^}|]*)\|([^}]*)\}")
 
 
 def ops_from_text(text: str) -> tuple[Op, ...]:
@@ -142,7 +175,7 @@ def ops_from_text(text: str) -> tuple[Op, ...]:
         if m is None:
             raise RematError(
                 f"plan text: cannot read {text[pos : pos + 24]!r} at position {pos} of {text!r}; "
-                f"expected K<i>, S<i>{{...}}, R[a:b](...) or ')' ({LEGEND})"
+                f"expected K<i>, S<i>{{...}}, O<i>{{...|...}}, R[a:b](...) or ')' ({LEGEND})"
             )
         pos = m.end()
         if m[1] is not None:
@@ -152,6 +185,8 @@ def ops_from_text(text: str) -> tuple[Op, ...]:
         elif m[4] is not None:
             open_segments.append((int(m[4]), int(m[5]), current))
             current = []
+        elif m[7] is not None:
+            current.append(RecomputeOps(int(m[7]), _keys(m[9]), _keys(m[8])))
         else:
             if not open_segments:
                 raise RematError(f"plan text: ')' at position {pos - 1} of {text!r} closes no R[a:b](...)")
@@ -163,9 +198,23 @@ def ops_from_text(text: str) -> tuple[Op, ...]:
     return tuple(current)
 
 
+def _keys(text: str) -> tuple[str, ...]:
+    return tuple(k for k in text.split(",") if k)
+
+
 def times_in_words(n: int) -> str:
     """``1`` -> ``"once"``, ``2`` -> ``"twice"``, else ``"3 times"``."""
     return {1: "once", 2: "twice"}.get(n, f"{n} times")
+
+
+SELECTED_OPS = "selected operations"
+"""What an op-level policy (``RecomputeOps``) recomputes of a block, in the words of NOTE [ Plan vocabulary ]."""
+
+
+def part_kind(block: Block, fate: BlockFate) -> str:
+    """What of a block kept in part (``Fate.PART``) is recomputed, in words: its sub-modules
+    (:func:`sub_kind`), or :data:`SELECTED_OPS` under an op-level policy."""
+    return SELECTED_OPS if fate.op_level else sub_kind(block, fate.subs)
 
 
 def sub_kind(block: Block, fqns: Sequence[str]) -> str:
@@ -224,25 +273,13 @@ class Plan:
     @property
     def checkpointed(self) -> tuple[int, ...]:
         """Indices of blocks under a top-level checkpoint (whole blocks, or sub-modules inside them)."""
-        out: list[int] = []
-        for op in self.ops:
-            if isinstance(op, Recompute):
-                out.extend(range(op.start, op.stop))
-            elif isinstance(op, RecomputeSub):
-                out.append(op.index)
-        return tuple(out)
+        return tuple(i for i, f in sorted(_fates(self.ops).items()) if f.fate is not Fate.KEPT)
 
     @property
     def depth(self) -> int:
         """Nesting depth: 0 keeps everything, 1 is single-level checkpointing, 2+ is nested."""
-
-        def d(ops: tuple[Op, ...]) -> int:
-            return max(
-                (1 + d(op.inner) if isinstance(op, Recompute) else int(isinstance(op, RecomputeSub)) for op in ops),
-                default=0,
-            )
-
-        return d(self.ops)
+        # A block recomputed n times sits under n checkpoints; a sub-module or op-level policy in it, under one more.
+        return max((f.times + bool(f.subs or f.op_level) for f in self.fates()), default=0)
 
     def should_checkpoint(self, index: int) -> bool:
         """Whether block ``index`` is (partly) recomputed."""
@@ -305,6 +342,16 @@ class Plan:
                 what = f"recomputed {times_in_words(depth)}, its {kind} {times_in_words(depth + 1)}"
                 return _Run(fate, what, op.index, op.index + 1)
             return _Run(Fate.PART, f"kept, {kind} recomputed", op.index, op.index + 1)
+        if isinstance(op, RecomputeOps):
+            if depth:
+                what = f"recomputed {times_in_words(depth)}, its {SELECTED_OPS} {times_in_words(depth + 1)}"
+                return _Run(fate, what, op.index, op.index + 1)
+            ops = (
+                f"{SELECTED_OPS} recomputed ({ops_in_words(op.recompute)})"
+                if op.recompute
+                else f"{SELECTED_OPS} recomputed"
+            )
+            return _Run(Fate.PART, f"kept, {ops}", op.index, op.index + 1, groups=False)
         several = op.stop - op.start > 1
         plain_inside = all(isinstance(o, Keep) for o in op.inner)  # recomputed once, keeping what each block saves
         if depth:
@@ -321,12 +368,14 @@ class Plan:
         fates = self.fates()
         n = len(fates)
         count = Counter(f.fate for f in fates)
-        segments = sum(1 for op in self.ops if isinstance(op, Recompute) and op.stop - op.start > 1)
-        kinds = {sub_kind(self.blocks[i], f.subs) for i, f in enumerate(fates) if f.fate is Fate.PART}
+        segments = len({f.op for f in fates if f.fate is Fate.SEGMENT})
+        kinds = {part_kind(self.blocks[i], f) for i, f in enumerate(fates) if f.fate is Fate.PART}
         if len(kinds) == 1:
             kind = kinds.pop()
+        elif kinds <= {"attention", "MLP", "attention and MLP"}:
+            kind = "attention or MLP"
         else:
-            kind = "attention or MLP" if kinds <= {"attention", "MLP", "attention and MLP"} else "sub-modules"
+            kind = "parts" if SELECTED_OPS in kinds else "sub-modules"
 
         def phrase(fate: Fate, c: int) -> str:
             its = "its" if c == 1 else "their"
@@ -397,10 +446,10 @@ class Plan:
             lines.append(f"  predicted recompute: {format_ms(self.predicted_extra_ms)}{ratio}")
         return "\n".join(lines)
 
-    def to_json(self) -> str:
-        """Serialise to a JSON string (with ``schema_version``)."""
-        data = {
-            "schema_version": self.schema_version,
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as values for ``json.dumps``, without ``schema_version`` (for a plan inside another
+        file, e.g. a bench row's); :meth:`from_dict` reads back what ``json.loads`` makes of them."""
+        return {
             "strategy": self.strategy,
             "blocks": [b.to_json() for b in self.blocks],
             "ops": ops_to_json(self.ops),
@@ -411,7 +460,10 @@ class Plan:
             "baseline_peak_bytes": self.baseline_peak_bytes,
             "baseline_step_ms": self.baseline_step_ms,
         }
-        return json.dumps(data, indent=2)
+
+    def to_json(self) -> str:
+        """Serialise to a JSON string (with ``schema_version``)."""
+        return json.dumps({"schema_version": self.schema_version, **self.to_dict()}, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -422,18 +474,35 @@ class Plan:
                 lists its blocks out of order, or its operations do not cover every block once, in
                 order (``remat.plan.chain.validate_ops``).
         """
-        reader = Reader(
-            "plan", "make the plan again with remat.plan(...).to_json() or `remat plan MODEL --out plan.json`"
-        )
-        data = load(text, reader, cls.schema_version)
-        plan = reader.build(cls, data, convert={"ops": lambda r, v, at: ops_from_json(v, r, at)})
+        return cls.from_dict(load(text, _READER, cls.schema_version))
+
+    @classmethod
+    def from_dict(cls, data: Any, reader: Reader | None = None, path: str = "") -> Plan:
+        """Read a plan written by :meth:`to_dict`, checked as :meth:`from_json` checks a plan file.
+
+        Args:
+            data: The JSON object.
+            reader: The reader of the file that holds it (default: a plan file's), for messages.
+            path: Where the plan is in that file (``""``: the top level), e.g. ``"rows[2].plan"``.
+
+        Raises:
+            RematError: As :meth:`from_json`, naming the field by its path in the file.
+        """
+        reader = reader or _READER
+        at = f"{path}." if path else ""
+        plan = reader.build(cls, data, path, convert={"ops": lambda r, v, where: ops_from_json(v, r, where)})
         for i, b in enumerate(plan.blocks):
             if b.index != i:
                 raise reader.error(
-                    f"blocks[{i}].index", f"is {b.index}, expected {i} (blocks are listed in forward order from 0)"
+                    f"{at}blocks[{i}].index", f"is {b.index}, expected {i} (blocks are listed in forward order from 0)"
                 )
-        validate_ops(plan.ops, len(plan.blocks), block_fqns=[b.fqns for b in plan.blocks], source="plan json: ops")
+        validate_ops(
+            plan.ops, len(plan.blocks), block_fqns=[b.fqns for b in plan.blocks], source=f"{reader.kind} json: {at}ops"
+        )
         return plan
+
+
+_READER = Reader("plan", "make the plan again with remat.plan(...).to_json() or `remat plan MODEL --out plan.json`")
 
 
 def single_level_ops(n: int, checkpointed: set[int] | frozenset[int]) -> tuple[Op, ...]:

@@ -9,6 +9,7 @@ from typing import ClassVar
 from remat._json import Reader, load
 from remat.blocks import Block
 from remat.core.trace import Grads, Loop
+from remat.profile.ops import BlockOps
 
 __all__ = ["BlockProfile", "SubProfile", "Profile"]
 
@@ -76,6 +77,10 @@ class BlockProfile:
         grad_bytes: Bytes of parameter gradients first allocated in its backward (its own parameters,
             and those of code between it and the previous block), held to the end of the iteration;
             0 with gradients held (NOTE [ Gradients in the backward ] in ``remat.profile.profiler``).
+        selective_ms: What its forward + backward took beyond the plain ones under torch's selective
+            checkpoint caching nothing (every op recomputed, the policy machinery's own cost included),
+            milliseconds; ``None`` where not measured (op-level policies then are not offered for it;
+            NOTE [ Op-level policy costs ] in ``remat.profile.profiler``).
     """
 
     input_bytes: int
@@ -100,6 +105,7 @@ class BlockProfile:
     linked: bool = True
     stateful: tuple[str, ...] = ()
     grad_bytes: int = 0
+    selective_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.own_output_bytes < 0:  # profiles written before the field existed
@@ -153,6 +159,8 @@ class Profile:
             (embeddings; inside ``tail_peak_bytes``), bytes.
         optimizer_peak_bytes: Peak during the optimizer's step above the held memory, bytes (0 without one).
         optimizer_ms: Median time of the optimizer's step, milliseconds.
+        block_ops: Per block, every op of its forward with what autograd saves (``remat.profile.ops``),
+            for op-level policies; empty when profiled with ``ops=False``.
     """
 
     schema_version: ClassVar[int] = 1
@@ -179,6 +187,7 @@ class Profile:
     tail_grad_bytes: int = 0
     optimizer_peak_bytes: int = 0
     optimizer_ms: float = 0.0
+    block_ops: tuple[BlockOps, ...] = ()
 
     def sub_costs(self) -> dict[tuple[int, tuple[str, ...]], tuple[int, float]]:
         """For ``RecomputeSub``: (bytes freed, recompute ms) of checkpointing each block's attention / FFN subs."""
@@ -198,6 +207,7 @@ class Profile:
         data = asdict(self)
         data["schema_version"] = self.schema_version
         data["blocks"] = [b.to_json() for b in self.blocks]
+        data["block_ops"] = [b.to_json() for b in self.block_ops]
         return json.dumps(data, indent=2)
 
     @classmethod

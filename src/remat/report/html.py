@@ -5,6 +5,9 @@ an issue as one file; the Markdown links the PNGs written next to it; ``plan.jso
 for ``remat measure --plan`` and ``remat.apply``. Every piece of text that comes from the model, the
 plans or the command line is escaped. Both documents open with the same one-sentence verdict
 (:func:`verdict`) and say what the plan does in the words of NOTE [ Plan vocabulary ].
+
+Everything here draws from values (:class:`remat.report.data.ReportData`): nothing measures or plans.
+:func:`build` writes a whole report directory, the JSON values included (NOTE [ Report files ]).
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import shlex
 from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
+from remat._json import write_atomic
 from remat.core.ops import validate_ops
 from remat.errors import RematError
 from remat.measure.compare import BenchResult, BenchRow, separable
@@ -27,7 +32,8 @@ from remat.measure.timeline import Timeline
 from remat.plan.frontier import Frontier
 from remat.plan.types import LEGEND, Fate, Plan, ops_from_text
 from remat.profile.types import Profile
-from remat.report.plots import baseline_step_ms
+from remat.report.data import PLAN_JSON, ReportData
+from remat.report.plots import CHARTS, baseline_step_ms, write_charts
 from remat.report.tables import (
     BENCH_HEADERS,
     PROFILE_HEADERS,
@@ -40,30 +46,13 @@ from remat.report.tables import (
 )
 from remat.units import format_bytes, format_ms
 
-__all__ = ["write_report", "verdict", "REPORT_HTML", "REPORT_MD", "REPORT_PLAN"]
+__all__ = ["build", "Written", "write_report", "verdict", "REPORT_HTML", "REPORT_MD", "REPORT_PLAN"]
 
 log = logging.getLogger(__name__)
 
 REPORT_HTML = "report.html"
 REPORT_MD = "report.md"
-REPORT_PLAN = "plan.json"
-
-_CHART_TITLES = {
-    "timeline": "Memory over one training step",
-    "tradeoff": "Peak memory against step time",
-    "comparison": "Strategies side by side",
-    "heatmap": "Per block: saved bytes, recompute time, decision",
-}
-_CHART_CAPTIONS = {
-    "timeline": "Allocated memory above what is held before the step (parameters, gradients, inputs), for the plain "
-    "model, recompute-everything and the chosen plan. Bands below: each block's forward, backward and "
-    "recomputation; shading: forward and backward phases.",
-    "tradeoff": "Every strategy as measured (one marker each) and the optimal frontier predicted by the solver "
-    "(peak against the plain step time plus the predicted recompute time). The markers are measured and the line "
-    "predicted: markers fall on either side of it by as much as the run-to-run spread (the bench's spread column).",
-    "comparison": "Measured peak memory and median step time of every strategy; dashed: the plain model.",
-    "heatmap": "What each block saves for its backward, what recomputing it costs, and what the chosen plan does with it.",
-}
+REPORT_PLAN = PLAN_JSON
 
 _CSS = """
 body { font-family: -apple-system, "Segoe UI", Roboto, Helvetica, Arial, sans-serif; margin: 2rem auto;
@@ -95,17 +84,6 @@ table.kv th { width: 14rem; font-weight: 500; }
 
 def _e(text: object) -> str:
     return html.escape(str(text), quote=True)
-
-
-def _find_row(result: BenchResult, plan: Plan) -> BenchRow | None:
-    """The bench row of ``plan``: same label, else same operations and budget."""
-    for r in result.rows:
-        if r.label == plan.strategy:
-            return r
-    for r in result.rows:
-        if r.ops == plan.describe() and r.budget_bytes == plan.budget_bytes:
-            return r
-    return None
 
 
 def _table(
@@ -188,7 +166,7 @@ def verdict(plan: Plan, result: BenchResult, profile: Profile) -> str:
     Returns:
         E.g. ``"optimal @ 40% saves 39.1MiB (61%) of the plain 64.9MiB peak for +22% step time (137.2ms against 112.5ms)."``
     """
-    row = _find_row(result, plan)
+    row = result.row_of(plan)
     base = result.rows[0] if result.rows and _is_plain(result.rows[0]) else None
     if row is None or base is None or base.peak_bytes <= 0:
         if plan.predicted_peak_bytes is None or plan.predicted_extra_ms is None or profile.peak_bytes <= 0:
@@ -312,16 +290,76 @@ def write_report(
     Raises:
         MissingExtraError: If the charts must be drawn and matplotlib is not installed.
     """
-    from remat._version import __version__
-
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
+    data = ReportData(profile, plan, result, frontier, tuple(timelines))
     if charts is None:
-        from remat.report.plots import write_charts
-
-        charts = write_charts(d, profile=profile, plan=plan, result=result, frontier=frontier, timelines=timelines)
+        charts = write_charts(d, data)
     desc = description or profile.model
-    row = _find_row(result, plan)
+    plan_path = d / REPORT_PLAN
+    write_atomic(plan_path, plan.to_json())
+    html_path = d / REPORT_HTML
+    write_atomic(html_path, _html(d, data, command, desc, charts))
+    md_path = d / REPORT_MD
+    write_atomic(md_path, _markdown(d, data, command, desc, charts))
+    log.info("wrote %s, %s and %s", html_path, md_path, plan_path)
+    return html_path, md_path
+
+
+class Written(NamedTuple):
+    """The files :func:`build` wrote.
+
+    Attributes:
+        html: ``report.html``.
+        markdown: ``report.md``.
+        charts: Each chart's name and PNG path (:data:`remat.report.plots.CHARTS`).
+        values: The JSON files of the values the report was drawn from (NOTE [ Report files ]).
+    """
+
+    html: Path
+    markdown: Path
+    charts: dict[str, Path]
+    values: list[Path]
+
+
+def build(directory: str | Path, data: ReportData, *, command: str, description: str = "") -> Written:
+    """Write a whole report from its values: the charts, ``report.html``, ``report.md``, and the JSON
+    files of the values (NOTE [ Report files ]), from which ``remat report --from DIR`` draws it again.
+
+    Args:
+        directory: Where to write (created if missing).
+        data: The values (:class:`remat.report.data.ReportData`; ``remat.report.collect`` measures them).
+        command: The command line that produced the report, shown verbatim (escaped).
+        description: One line describing the workload (default: the profile's model class).
+
+    Returns:
+        The paths written.
+
+    Raises:
+        MissingExtraError: If matplotlib is not installed.
+    """
+    charts = write_charts(directory, data)  # first: without matplotlib, nothing is written
+    values = data.write(directory)
+    html_path, md_path = write_report(
+        directory,
+        profile=data.profile,
+        plan=data.plan,
+        result=data.result,
+        frontier=data.frontier,
+        timelines=data.timelines,
+        command=command,
+        description=description,
+        charts=charts,
+    )
+    return Written(html_path, md_path, charts, values)
+
+
+def _html(d: Path, data: ReportData, command: str, desc: str, charts: Mapping[str, Path]) -> str:
+    """The HTML document (see :func:`write_report`)."""
+    from remat._version import __version__
+
+    profile, plan, result, frontier, timelines = data.profile, data.plan, data.result, data.frontier, data.timelines
+    row = result.row_of(plan)
     base_ms = baseline_step_ms(result, profile.step_ms)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     warning = noise_warning(result)
@@ -375,13 +413,13 @@ def write_report(
     if verdicts:
         parts.append("<ul>" + "".join(f"<li>{_e(v)}</li>" for v in verdicts) + "</ul>")
     parts.append("<h2>Charts</h2>")
-    for name in ("timeline", "tradeoff", "comparison", "heatmap"):
+    for name, chart in CHARTS.items():
         if name in charts:
             parts.append(
-                f"<figure><h3>{_e(_CHART_TITLES[name])}</h3>{_img(Path(charts[name]))}"
-                f"<figcaption>{_e(_CHART_CAPTIONS[name])}</figcaption></figure>"
+                f"<figure><h3>{_e(chart.title)}</h3>{_img(Path(charts[name]))}"
+                f"<figcaption>{_e(chart.caption)}</figcaption></figure>"
             )
-    chosen_index = next((i for i, r in enumerate(result.rows) if row is not None and r.label == row.label), None)
+    chosen_index = next((i for i, r in enumerate(result.rows) if r is row), None)
     frontier_rows, frontier_chosen = _frontier_rows(frontier, plan, profile, base_ms)
     parts += [
         "<h2>Bench: every strategy measured</h2>",
@@ -390,11 +428,7 @@ def write_report(
         f"<code>{_e(result.rows[0].label if result.rows else '-')}</code>. Predicted step time: the plain step plus "
         f"the predicted recompute time. The column “blocks recomputed” counts {_e(RECOMPUTED_NOTE)}.</p>",
         _table(BENCH_HEADERS, bench_rows(result), highlight=chosen_index),
-        "<h2>Timelines</h2>",
-        _table(
-            ("plan", "timeline peak", "bench peak", "timeline vs bench", "step (under profiler)"),
-            _timeline_rows(timelines, result),
-        ),
+        *(["<h2>Timelines</h2>", _table(_TIMELINE_HEADERS, _timeline_rows(timelines, result))] if timelines else []),
         "<h2>Profile</h2>",
         f"<p>Every block of the plain model measured on its batch (medians of timed steps). "
         f"Blocks form a chain: {'yes' if profile.is_chain else 'no'}.</p>",
@@ -412,16 +446,7 @@ def write_report(
         ),
         "</body></html>",
     ]
-    plan_path = d / REPORT_PLAN
-    plan_path.write_text(plan.to_json(), encoding="utf-8")
-    html_path = d / REPORT_HTML
-    html_path.write_text("\n".join(parts), encoding="utf-8")
-    md_path = d / REPORT_MD
-    md_path.write_text(
-        _markdown(d, profile, plan, result, timelines, command, desc, row, base_ms, charts), encoding="utf-8"
-    )
-    log.info("wrote %s, %s and %s", html_path, md_path, plan_path)
-    return html_path, md_path
+    return "\n".join(parts)
 
 
 def _versus_rows(plan: Plan, row: BenchRow | None, base_ms: float, timelines: Sequence[Timeline]) -> list[list[str]]:
@@ -453,6 +478,9 @@ def _versus_rows(plan: Plan, row: BenchRow | None, base_ms: float, timelines: Se
     return rows
 
 
+_TIMELINE_HEADERS = ("plan", "timeline peak", "bench peak", "timeline vs bench", "step (under profiler)")
+
+
 def _timeline_rows(timelines: Sequence[Timeline], result: BenchResult) -> list[list[str]]:
     by_label = {r.label: r for r in result.rows}
     out = []
@@ -474,18 +502,20 @@ def _md_escape(text: str) -> str:
     return html.escape(text, quote=False).replace("|", "\\|")
 
 
-def _markdown(
-    directory: Path,
-    profile: Profile,
-    plan: Plan,
-    result: BenchResult,
-    timelines: Sequence[Timeline],
-    command: str,
-    desc: str,
-    row: BenchRow | None,
-    base_ms: float,
-    charts: Mapping[str, Path],
-) -> str:
+def _md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A Markdown table, every cell escaped."""
+    return [
+        "| " + " | ".join(map(_md_escape, headers)) + " |",
+        "|" + "---|" * len(headers),
+        *("| " + " | ".join(map(_md_escape, cells)) + " |" for cells in rows),
+    ]
+
+
+def _markdown(directory: Path, data: ReportData, command: str, desc: str, charts: Mapping[str, Path]) -> str:
+    """The Markdown summary (see :func:`write_report`)."""
+    profile, plan, result, timelines = data.profile, data.plan, data.result, data.timelines
+    row = result.row_of(plan)
+    base_ms = baseline_step_ms(result, profile.step_ms)
     lines = [
         f"# remat report: {_md_escape(desc)}",
         "",
@@ -526,27 +556,22 @@ def _markdown(
         f"The column “blocks recomputed” counts {_md_escape(RECOMPUTED_NOTE)}.",
         "",
     ]
-    lines.append("| " + " | ".join(BENCH_HEADERS) + " |")
-    lines.append("|" + "---|" * len(BENCH_HEADERS))
-    for cells in bench_rows(result):
-        lines.append("| " + " | ".join(_md_escape(c) for c in cells) + " |")
+    lines += _md_table(BENCH_HEADERS, bench_rows(result))
     if timelines:
+        # The step under the profiler is left out of the summary: the bench's step times are the ones to read.
         lines += [
             "",
             "## Timelines",
             "",
-            "| plan | timeline peak | bench peak | timeline vs bench |",
-            "|---|---|---|---|",
+            *_md_table(_TIMELINE_HEADERS[:4], [r[:4] for r in _timeline_rows(timelines, result)]),
         ]
-        for cells in _timeline_rows(timelines, result):
-            lines.append("| " + " | ".join(_md_escape(c) for c in cells[:4]) + " |")
     lines += ["", "## Charts", ""]
-    for name in ("timeline", "tradeoff", "comparison", "heatmap"):
+    for name, chart in CHARTS.items():
         if name in charts:
             p = Path(charts[name]).resolve()
             link = (
                 p.relative_to(directory.resolve()).as_posix() if p.is_relative_to(directory.resolve()) else p.as_uri()
             )
-            lines += [f"### {_CHART_TITLES[name]}", "", f"![{name}]({link})", ""]
+            lines += [f"### {chart.title}", "", f"![{name}]({link})", ""]
     lines += ["", f"Full report with the profile table: [{REPORT_HTML}]({REPORT_HTML})", ""]
     return "\n".join(lines)

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import logging
 import textwrap
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from remat.core.ops import Recompute
 from remat.errors import MissingExtraError, RematError
 from remat.measure.compare import BenchResult, BenchRow
 from remat.measure.timeline import Timeline
 from remat.plan.frontier import Frontier
-from remat.plan.types import Fate, Plan, sub_kind, times_in_words
+from remat.plan.types import SELECTED_OPS, Fate, Plan, part_kind, times_in_words
 from remat.profile.types import Profile
+from remat.report.data import ReportData, heatmap_plan
 from remat.units import format_bytes, format_ms
 
 if TYPE_CHECKING:
@@ -38,13 +38,11 @@ __all__ = [
     "baseline_step_ms",
     "bytes_unit",
     "time_unit",
+    "Chart",
     "CHARTS",
 ]
 
 log = logging.getLogger(__name__)
-
-CHARTS = ("timeline", "tradeoff", "comparison", "heatmap")
-"""The chart names :func:`write_charts` writes, each to ``<name>.png``."""
 
 _FORMATS = (".png", ".svg")
 _KIND_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "recompute": "#C44E52"}
@@ -268,7 +266,7 @@ def plot_tradeoff(result: BenchResult, frontier: Frontier, path: str | Path) -> 
             s=70,
             marker=_MARKERS[i % len(_MARKERS)],
             color=f"C{i % 10}",
-            edgecolors="black" if r.label.startswith(("optimal", "knapsack")) else "none",
+            edgecolors="black" if r.solver is not None else "none",
             linewidths=1.2,
             label=f"{r.label}: {format_bytes(r.peak_bytes)}, {format_ms(r.step_ms)}",
             zorder=3,
@@ -298,7 +296,8 @@ def _check_rows(result: BenchResult) -> None:
 def block_decisions(plan: Plan) -> list[str]:
     """What the plan does with each block, in the words of NOTE [ Plan vocabulary ] (``remat.plan.types``):
     ``"kept"``, ``"recomputed"``, ``"in a recomputed segment"`` (with ``", twice"`` ... when nested segments
-    run it again), or ``"kept, attention recomputed"``, ``"kept, MLP recomputed"``, ``"kept, part recomputed"``."""
+    run it again), or ``"kept, attention recomputed"``, ``"kept, MLP recomputed"``, ``"kept, part recomputed"``,
+    ``"kept, selected operations recomputed"`` (an op-level policy)."""
     return [label for label, _, _ in _decisions(plan)]
 
 
@@ -310,6 +309,7 @@ _DECISIONS = {
     "kept, attention recomputed": ("#B7791F", "attn\nrecomp."),
     "kept, MLP recomputed": ("#8C6BB1", "MLP\nrecomp."),
     "kept, part recomputed": ("#5F7F3F", "part\nrecomp."),
+    f"kept, {SELECTED_OPS} recomputed": ("#3F7F8C", "ops\nrecomp."),
 }
 _NESTED_COLORS = ("#8E1B1F", "#5C0F12", "#3A080A")  # recomputed twice, three times, more
 
@@ -319,8 +319,8 @@ def _decisions(plan: Plan) -> list[tuple[str, str, str]]:
     out = []
     for block, f in zip(plan.blocks, plan.fates(), strict=True):
         if f.fate is Fate.PART:
-            kind = sub_kind(block, f.subs)
-            base = f"kept, {kind if kind in ('attention', 'MLP') else 'part'} recomputed"
+            kind = part_kind(block, f)
+            base = f"kept, {kind if kind in ('attention', 'MLP', SELECTED_OPS) else 'part'} recomputed"
         else:
             base = f.fate.value
         color, cell = _DECISIONS[base]
@@ -343,10 +343,8 @@ def _cell_texts(values: Sequence[float]) -> list[str]:
 def _segment_edges(plan: Plan) -> list[int]:
     """Block indices where each top-level operation starts, and the end (a segment of several blocks
     is one checkpoint, so the heatmap draws its edges)."""
-    edges = [0]
-    for op in plan.ops:
-        edges.append(op.stop if isinstance(op, Recompute) else op.index + 1)
-    return edges
+    fates = plan.fates()
+    return [0, *(i for i in range(1, len(fates)) if fates[i].op != fates[i - 1].op), len(fates)]
 
 
 def plot_heatmap(profile: Profile, plan: Plan, path: str | Path) -> Path:
@@ -490,81 +488,111 @@ def plot_comparison(result: BenchResult, path: str | Path) -> Path:
 def _row_color(i: int, row: BenchRow) -> str:
     if i == 0:
         return "#8C8C8C"
-    if row.label.startswith(("optimal", "knapsack")):
+    if row.solver is not None:
         return "#55A868"
     if row.budget_bytes is not None and row.peak_bytes > row.budget_bytes:
         return "#C44E52"
     return "#4C72B0"
 
 
-def write_charts(
-    directory: str | Path,
-    *,
-    profile: Profile,
-    plan: Plan,
-    result: BenchResult,
-    frontier: Frontier,
-    timelines: Sequence[Timeline],
-) -> dict[str, Path]:
-    """Write the four charts as ``<name>.png`` into ``directory`` (created if missing).
+def _always(_data: ReportData) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Chart:
+    """One chart of a report: how to draw it from the report's values, and what to call it.
+
+    Attributes:
+        title: Its heading in the HTML and Markdown documents.
+        caption: What it shows, below it in the HTML document.
+        draw: ``draw(data, path)`` writes the chart to ``path`` (``.png`` or ``.svg``) and returns the path.
+        ready: Whether ``data`` holds what the chart draws (the timeline chart needs timelines).
+    """
+
+    title: str
+    caption: str
+    draw: Callable[[ReportData, Path], Path]
+    ready: Callable[[ReportData], bool] = _always
+
+
+CHARTS: dict[str, Chart] = {
+    "timeline": Chart(
+        "Memory over one training step",
+        "Allocated memory above what is held before the step (parameters, gradients, inputs), for the plain "
+        "model, recompute-everything and the chosen plan. Bands below: each block's forward, backward and "
+        "recomputation; shading: forward and backward phases.",
+        lambda data, path: plot_timelines(data.timelines, path),
+        ready=lambda data: bool(data.timelines),
+    ),
+    "tradeoff": Chart(
+        "Peak memory against step time",
+        "Every strategy as measured (one marker each) and the optimal frontier predicted by the solver "
+        "(peak against the plain step time plus the predicted recompute time). The markers are measured and the "
+        "line predicted: markers fall on either side of it by as much as the run-to-run spread (the bench's "
+        "spread column).",
+        lambda data, path: plot_tradeoff(data.result, data.frontier, path),
+    ),
+    "comparison": Chart(
+        "Strategies side by side",
+        "Measured peak memory and median step time of every strategy; dashed: the plain model.",
+        lambda data, path: plot_comparison(data.result, path),
+    ),
+    "heatmap": Chart(
+        "Per block: saved bytes, recompute time, decision",
+        "What each block saves for its backward, what recomputing it costs, and what the chosen plan does with it.",
+        lambda data, path: plot_heatmap(data.profile, data.plan, path),
+    ),
+}
+"""Every chart of a report by name, in the order the documents show them; :func:`write_charts` writes
+each one whose values the report has to ``<name>.png``, and the HTML and Markdown take their titles here."""
+
+
+def write_charts(directory: str | Path, data: ReportData) -> dict[str, Path]:
+    """Write every chart of :data:`CHARTS` that ``data`` has the values for as ``<name>.png`` into
+    ``directory`` (created if missing).
 
     Args:
         directory: Where to write.
-        profile: From ``remat.profile``.
-        plan: The chosen plan (for the heatmap).
-        result: The bench of every strategy.
-        frontier: From ``remat.frontier(profile)``.
-        timelines: Of the plain model and of plans, overlaid in one chart.
+        data: The report's values (the timeline chart is left out when it has no timelines).
 
     Returns:
-        Each chart's name (one of :data:`CHARTS`) and path.
+        Each chart's name and path, in the order of :data:`CHARTS`.
+
+    Raises:
+        MissingExtraError: If matplotlib is not installed.
     """
+    _require_matplotlib()
     d = Path(directory)
-    return {
-        "timeline": plot_timelines(timelines, d / "timeline.png"),
-        "tradeoff": plot_tradeoff(result, frontier, d / "tradeoff.png"),
-        "comparison": plot_comparison(result, d / "comparison.png"),
-        "heatmap": plot_heatmap(profile, plan, d / "heatmap.png"),
-    }
+    return {name: chart.draw(data, d / f"{name}.png") for name, chart in CHARTS.items() if chart.ready(data)}
 
 
-def _heatmap_plan(result: BenchResult, profile: Profile) -> Plan:
-    """The optimal plan of the bench that fits its budget most tightly (else ``full``), re-solved on ``profile``."""
-    from remat.plan.planner import plan as make_plan
-    from remat.plan.strategies import full
-
-    solved = [(r.budget_bytes, r) for r in result.rows if r.label.startswith("optimal") and r.budget_bytes is not None]
-    fitting = [(b, r) for b, r in solved if r.peak_bytes <= b]
-    candidates = fitting or solved
-    if not candidates:
-        return make_plan(profile, strategy=full())
-    budget_bytes, row = min(candidates, key=lambda c: c[0])
-    return replace(make_plan(profile, budget_bytes, solver="optimal"), strategy=row.label)
-
-
-def write_bench_plots(result: BenchResult, profile: Profile, directory: str | Path) -> list[Path]:
-    """The charts of ``remat bench --plots DIR``: trade-off, comparison and a per-block heatmap.
-
-    The heatmap shows the optimal plan of the bench whose budget is the tightest one its measured peak
-    fits (any optimal plan if none fits), else ``full``.
+def write_bench_plots(
+    result: BenchResult, profile: Profile, directory: str | Path, *, frontier: Frontier, plan: Plan | None = None
+) -> list[Path]:
+    """The charts of ``remat bench --plots DIR``: every chart of :data:`CHARTS` that needs no timeline
+    (trade-off, comparison and a per-block heatmap).
 
     Args:
         result: The bench.
-        profile: The profile the bench's plans were made from (for the frontier and the heatmap).
+        profile: The profile the bench's plans were made from.
         directory: Where to write ``tradeoff.png``, ``comparison.png`` and ``heatmap.png`` (created if missing).
+        frontier: From ``remat.frontier(profile)``.
+        plan: The plan the heatmap shows; default: the one :func:`remat.report.data.heatmap_plan` picks
+            from the bench (the optimal plan whose budget is the tightest its measured peak fits).
 
     Returns:
         The paths written.
 
     Raises:
+        RematError: If no plan is given and the bench has no plan of the optimal solver.
         MissingExtraError: If matplotlib is not installed.
     """
-    from remat.plan.frontier import frontier
-
     _require_matplotlib()
-    d = Path(directory)
-    return [
-        plot_tradeoff(result, frontier(profile), d / "tradeoff.png"),
-        plot_comparison(result, d / "comparison.png"),
-        plot_heatmap(profile, _heatmap_plan(result, profile), d / "heatmap.png"),
-    ]
+    shown = plan or heatmap_plan(result)
+    if shown is None:
+        raise RematError(
+            "report: the bench has no optimal plan for the heatmap; bench with a --budget, or give "
+            "plan=remat.plan(profile, strategy=remat.full())"
+        )
+    return list(write_charts(directory, ReportData(profile, shown, result, frontier)).values())

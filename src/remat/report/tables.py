@@ -140,7 +140,9 @@ def recomputed_cell(fates: Sequence[BlockFate]) -> str:
 
 
 def _row_recomputed(r: BenchRow) -> str:
-    """The "recomputed" cell of a bench row, from its plan's compact form (the bench keeps no Plan)."""
+    """The "recomputed" cell of a bench row, from its plan (rows read from older files: its compact form)."""
+    if r.plan is not None:
+        return recomputed_cell(r.plan.fates())
     try:
         fates = block_fates(ops_from_text(r.ops))
     except RematError:  # a row written by hand or by another version: its count is all there is
@@ -300,7 +302,7 @@ def budget_verdicts(result: BenchResult) -> list[str]:
     warning = noise_warning(result)
     lines = [warning] if warning else []
     for r in result.rows:
-        if r.budget_bytes is None or not r.label.startswith("optimal"):
+        if r.budget_bytes is None or r.solver != "optimal":
             continue
         fitting = [s for s in result.rows if s is not r and s.peak_bytes <= r.budget_bytes]
         faster = [s for s in fitting if _faster(s, r)]

@@ -1,0 +1,147 @@
+"""Op-level selective recompute: run a block under one checkpoint that caches the outputs of chosen ops.
+
+# NOTE [ Op keys ]
+An op of a block is named by ``"<name>#<occurrence>"``: its short aten name (``gelu``, ``addmm``,
+``native_layer_norm``; ``"<namespace>::<name>"`` outside aten) and how many ops of that name the block
+ran before it in the same forward, e.g. ``"gelu#0"``, ``"addmm#2"``. The same :class:`OpKeys` counter
+names the ops in the profile (``remat.profile.ops``) and in the policy that :func:`run_selective`
+gives torch, with fresh counts per block forward, so a key means the same op in every run as long as
+the block's forward runs the same ops (it must for recomputation anyway). Ops that torch's selective
+checkpoint never asks about (``SAC_IGNORED_OPS``: the ``detach`` calls checkpointing itself inserts)
+get no key and are not counted.
+
+# NOTE [ Selective recompute semantics ]
+Under a non-reentrant checkpoint with a selective policy (``torch.utils.checkpoint``,
+``create_selective_checkpoint_contexts``), the forward keeps nothing of what autograd saves inside
+the region; it caches the outputs of the ops marked ``MUST_SAVE`` (detached, with their version
+counters) and the region's inputs (the checkpoint's closure). In the backward the region's forward
+runs again under the saved RNG state: a cached op returns its cached outputs, every other op runs
+again, until the last tensor the forward saved is saved again (torch's early stop). Hence:
+
+- held between forward and backward: the unique storages of the cached ops' outputs (a cached view
+  holds its whole base);
+- recompute time: the ops before the early stop that are not cached;
+- an op whose output a later op of the region mutates in place cannot be cached (torch refuses the
+  mutated cache entry), and caching an in-place op is wrong (its caller may ignore the return value
+  and read the recomputed tensor it was meant to mutate);
+- a cached random op does not draw from the generator in the recompute, so every random op after it
+  must be cached too, or it would draw different numbers than in the forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+__all__ = ["IGNORED_OPS", "OpKeys", "op_name", "ops_in_words", "run_selective"]
+
+log = logging.getLogger(__name__)
+
+IGNORED_OPS: frozenset[Any] = frozenset(
+    getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", None) or {torch.ops.aten.detach.default}
+)
+"""Ops torch's selective checkpoint passes through without asking the policy: they get no key."""
+
+
+@functools.cache  # ops are few and live as long as the process; the policy asks per call
+def op_name(func: Any) -> str:
+    """The short name of an op overload: ``aten.gelu.default`` -> ``"gelu"``, ``mylib.foo.default`` -> ``"mylib::foo"``."""
+    packet = getattr(func, "_overloadpacket", None)
+    name = str(getattr(packet, "__name__", None) or getattr(func, "__name__", func)).split(".")[0]
+    namespace = getattr(func, "namespace", "aten")
+    return name if namespace == "aten" else f"{namespace}::{name}"
+
+
+def ops_in_words(keys: Sequence[str]) -> str:
+    """Op keys counted by the name a user knows the op by, in order of first appearance:
+    ``["native_layer_norm#0", "gelu#0", "native_layer_norm#1"]`` -> ``"layer_norm×2, gelu×1"``
+    (aten's ``native_`` prefix and underscores dropped)."""
+    counts: dict[str, int] = {}
+    for key in keys:
+        name = key.rsplit("#", 1)[0]
+        shown = name.removeprefix("native_").strip("_") or name
+        counts[shown] = counts.get(shown, 0) + 1
+    return ", ".join(f"{name}×{n}" for name, n in counts.items())
+
+
+class OpKeys:
+    """Names the ops of one block forward in call order (NOTE [ Op keys ]); one instance per forward."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, int] = {}
+
+    def __call__(self, func: Any) -> str | None:
+        """The key of the next call of ``func``, or ``None`` for an op in :data:`IGNORED_OPS`."""
+        if func in IGNORED_OPS:
+            return None
+        name = op_name(func)
+        k = self._seen.get(name, 0)
+        self._seen[name] = k + 1
+        return f"{name}#{k}"
+
+    def __bool__(self) -> bool:
+        return bool(self._seen)
+
+    def ran(self, key: str) -> bool:
+        """Whether the op ``key`` has been named (ran) in this forward."""
+        name, _, k = key.rpartition("#")
+        return k.isdigit() and self._seen.get(name, 0) > int(k)
+
+
+def _contexts(save: frozenset[str], keys: dict[bool, OpKeys]) -> tuple[Any, Any]:
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        key = keys[bool(getattr(ctx, "is_recompute", False))](func)
+        return CheckpointPolicy.MUST_SAVE if key in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)  # type: ignore[no-any-return]
+
+
+def run_selective(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], save: frozenset[str]) -> Any:
+    """Call ``fn(*args, **kwargs)`` under one non-reentrant checkpoint that caches the outputs of the ops in ``save``.
+
+    Every other op of the call is recomputed in the backward (NOTE [ Selective recompute semantics ]);
+    an empty ``save`` is plain checkpointing. The RNG state is preserved, so dropout draws the same
+    masks in the recompute. Logs a warning when an op of ``save`` does not run in the forward (the
+    policy does not fit the call: those ops are then recomputed).
+
+    Args:
+        fn: The block's forward (a module or a function).
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
+        save: Keys of the ops whose outputs are cached (NOTE [ Op keys ]), e.g. ``{"addmm#0", "bmm#1"}``.
+
+    Returns:
+        What ``fn`` returns.
+    """
+    # The keyword arguments go in through a partial: checkpoint() has keywords of its own
+    # (``context_fn``, ``debug`` ...) that a block's keyword might shadow.
+    call = functools.partial(fn, **kwargs) if kwargs else fn
+    # Fresh counters per call. torch 2.13 asks the policy in the forward only (the recompute reads its
+    # cache by index); older versions asked again in the recompute, with ``ctx.is_recompute`` set,
+    # which then counts on its own from zero.
+    keys = {False: OpKeys(), True: OpKeys()}
+    save = frozenset(save)
+    out = checkpoint(
+        call,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=True,
+        context_fn=functools.partial(_contexts, save, keys),
+    )
+    forward = keys[False]
+    if forward:  # the policy ran (it does not without grad)
+        missing = sorted(k for k in save if not forward.ran(k))
+        if missing:
+            log.warning(
+                "run_selective: cached ops %s did not run in this forward of %s, so they are recomputed; the "
+                "policy was made for another block or its forward changed (train/eval mode, shapes); profile "
+                "it again with remat.profile.ops.profile_ops",
+                ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else ""),
+                getattr(fn, "__qualname__", type(fn).__name__),
+            )
+    return out

@@ -1,0 +1,377 @@
+"""Per-block menus of op-level selective recompute: which ops' outputs to cache, which to run again.
+
+Between keeping a block (autograd holds everything it saves, nothing runs again) and recomputing it
+whole (nothing held, its whole forward runs again) lie the selective policies: cache the outputs of a
+set ``S`` of the block's ops, run the rest again in the backward. NOTE [ Selective recompute semantics ]
+in ``remat.core.selective`` gives the costs this module models from a :class:`~remat.profile.ops.BlockOps`:
+
+- held between forward and backward: the storages of ``S``'s outputs (``held_bytes``);
+- recompute time: every op before torch's early stop that is not in ``S`` (``recompute_ms``);
+- ``S`` must not hold a view or an in-place op, an op whose output a later op mutates, or a random op
+  followed (before the early stop) by a random op that is recomputed (:func:`validate_policy`).
+
+Both costs add up over ``S``, so choosing ``S`` is a two-objective 0/1 knapsack. :func:`policy_menu`
+returns a few of its Pareto-optimal policies (held bytes down, recompute time up), found exactly over
+the candidate ops when they are few and greedily otherwise. The trivial ends are left out: caching
+nothing is recomputing the block whole, and a policy holding as much as keeping the block is worse
+than keeping it; the planner has both already.
+
+``recompute_ms`` counts the ops' own times. Torch's selective checkpoint also costs a fixed amount
+per op of the block whatever the policy, forward and recompute alike (its Python dispatch mode asks
+the policy, caches or looks up every op): tens of microseconds per op on CPU, several times a small
+block's forward; like a checkpoint's overhead it is to be measured, not modelled here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from remat._json import Reader
+from remat.core.ops import RecomputeOps
+from remat.core.selective import ops_in_words
+from remat.errors import RematError
+from remat.profile.ops import EXTERNAL, BlockOps
+from remat.profile.types import Profile
+
+__all__ = ["OpPolicy", "make_policy", "op_costs", "policy_menu", "validate_policy"]
+
+
+@dataclass(frozen=True)
+class OpPolicy:
+    """One selective-recompute policy for a block.
+
+    Attributes:
+        save: Keys of the ops whose outputs are cached in the forward (``MUST_SAVE``), in forward order.
+        recompute: Keys of the ops that run again in the backward (every op before the early stop that is
+            not cached), in forward order.
+        held_bytes: Bytes the cached outputs hold between forward and backward (unique storages).
+        freed_bytes: Bytes held less than keeping the block: what autograd saves of the block's own
+            storages, less ``held_bytes``.
+        recompute_ms: Time of the ops in ``recompute``, milliseconds.
+        freed: Keys of the ops whose saved outputs are recomputed rather than held (what :meth:`describe`
+            counts): the op that allocated the storage, or the random op that filled it in place
+            (``bernoulli`` for a dropout mask on CPU).
+    """
+
+    save: tuple[str, ...]
+    recompute: tuple[str, ...]
+    held_bytes: int
+    freed_bytes: int
+    recompute_ms: float
+    freed: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """What the policy recomputes, by op name in forward order, e.g. ``"recompute layer_norm×2, gelu×1, bernoulli×2"``.
+
+        Counts the ops in :attr:`freed` by name, without aten's ``native_`` prefix and underscores
+        (``native_layer_norm`` -> ``layer_norm``, ``bernoulli_`` -> ``bernoulli``).
+        """
+        if not self.freed:
+            return "recompute nothing autograd saves"
+        return "recompute " + ops_in_words(self.freed)
+
+    def to_json(self) -> dict[str, Any]:
+        """The policy as plain JSON values."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, data: Any, reader: Reader | None = None, path: str = "policy") -> OpPolicy:
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            RematError: If a field is missing or of the wrong type.
+        """
+        return (reader or Reader("policy")).build(cls, data, path)
+
+
+def _mutated_later(b: BlockOps) -> list[bool]:
+    """Whether a later op of the block writes into a storage the op allocated."""
+    last_write = [-1] * len(b.ops)
+    for op in b.ops:
+        for w in op.writes:
+            if w != EXTERNAL:
+                last_write[w] = max(last_write[w], op.index)
+    return [last_write[i] > i for i in range(len(b.ops))]
+
+
+def _cacheable(b: BlockOps) -> list[bool]:
+    """Whether each op may be cached, random ops' order aside (NOTE [ Selective recompute semantics ])."""
+    later = _mutated_later(b)
+    return [
+        op.index < b.stop and op.fresh and not op.view and all(w == EXTERNAL for w in op.writes) and not later[op.index]
+        for op in b.ops
+    ]
+
+
+def _random(b: BlockOps) -> list[int]:
+    """The random ops that run again in a recompute, in forward order."""
+    return [op.index for op in b.ops[: b.stop] if op.random]
+
+
+def _candidates(b: BlockOps) -> list[int]:
+    """The ops worth caching: those whose outputs autograd saves and the producers of their inputs,
+    if they can be cached, and a random op only if every random op after it can be cached too."""
+    ok = _cacheable(b)
+    chosen: set[int] = set()
+    writers: dict[int, list[int]] = {}
+    for op in b.ops:
+        for w in op.writes:
+            if w != EXTERNAL:
+                writers.setdefault(w, []).append(op.index)
+    for op in b.ops:
+        if op.saved_bytes <= 0:
+            continue
+        if ok[op.index]:
+            chosen.add(op.index)
+        for w in (op.index, *writers.get(op.index, ())):
+            for r in b.ops[w].reads:
+                chosen.update(s for s in b.ops[r].storages if s != EXTERNAL and ok[s])
+    # A random op left to recompute must follow every cached one (else it draws other numbers).
+    barrier = max((r for r in _random(b) if r not in chosen), default=-1)
+    return sorted(i for i in chosen if not (b.ops[i].random and i < barrier))
+
+
+def _freed_key(b: BlockOps, alloc: int) -> str:
+    for op in b.ops:
+        if op.random and alloc in op.writes:
+            return op.key
+    return b.ops[alloc].key
+
+
+def make_policy(block_ops: BlockOps, save: Iterable[str]) -> OpPolicy:
+    """The policy that caches the outputs of the ops ``save`` and recomputes the rest, with its costs.
+
+    Args:
+        block_ops: The block's op profile.
+        save: Keys of the ops to cache.
+
+    Returns:
+        The :class:`OpPolicy` (not validated: see :func:`validate_policy`).
+
+    Raises:
+        RematError: If a key is not an op of the block.
+    """
+    b = block_ops
+    cached: set[int] = set()
+    for key in save:
+        i = b.index_of(key)
+        if i is None:
+            raise _not_in_block(b, key, "cached")
+        cached.add(i)
+    held_storages = {s for i in cached for s in b.ops[i].storages if s != EXTERNAL}
+    held = sum(b.ops[s].out_bytes for s in held_storages)
+    recompute = [op for op in b.ops[: b.stop] if op.index not in cached]
+    freed = [_freed_key(b, op.index) for op in b.ops if op.saved_bytes > 0 and op.index not in held_storages]
+    return OpPolicy(
+        save=tuple(b.ops[i].key for i in sorted(cached)),
+        recompute=tuple(op.key for op in recompute),
+        held_bytes=held,
+        freed_bytes=b.own_saved_bytes - held,
+        recompute_ms=math.fsum(op.ms for op in recompute),
+        freed=tuple(freed),
+    )
+
+
+def _not_in_block(b: BlockOps, key: str, role: str) -> RematError:
+    shown = ", ".join(op.key for op in b.ops[:6]) + (", ..." if len(b.ops) > 6 else "")
+    return RematError(
+        f"policy: {role} op {key!r} is not in block {b.block} ({b.name}), whose ops are {shown or 'none'}; "
+        "make the policy from this block's profile (remat.profile.ops.profile_ops)"
+    )
+
+
+def validate_policy(block_ops: BlockOps, policy: OpPolicy) -> None:
+    """Check that ``policy`` can run on the block and recompute what it did in the forward.
+
+    Args:
+        block_ops: The block's op profile.
+        policy: The policy to check.
+
+    Raises:
+        RematError: If a cached or recomputed op is not in the block, an op is both, a cached op is a
+            view or in-place op, writes into the block's tensors or has its output mutated by a later op,
+            a random op is recomputed after a cached random op, or a recomputed op reads an op output that
+            is neither cached nor recomputed.
+    """
+    b = block_ops
+    save: dict[int, str] = {}
+    for key in policy.save:
+        i = b.index_of(key)
+        if i is None:
+            raise _not_in_block(b, key, "cached")
+        save[i] = key
+    recompute: dict[int, str] = {}
+    for key in policy.recompute:
+        i = b.index_of(key)
+        if i is None:
+            raise _not_in_block(b, key, "recomputed")
+        if i in save:
+            raise RematError(
+                f"policy: op {key!r} of block {b.block} ({b.name}) is both cached and recomputed; list it in one of them"
+            )
+        recompute[i] = key
+    later = _mutated_later(b)
+    for i, key in save.items():
+        op = b.ops[i]
+        if not op.fresh or op.view:
+            base = next((s for s in op.storages if s not in (EXTERNAL, i)), EXTERNAL)
+            where = f"the storage of {b.ops[base].key!r}" if base != EXTERNAL else "a tensor from outside the block"
+            raise RematError(
+                f"policy: cached op {key!r} of block {b.block} ({b.name}) is a view or in-place op (its output is "
+                f"{where}); cache the op that allocates it instead"
+            )
+        if any(w != EXTERNAL for w in op.writes) or later[i]:
+            raise RematError(
+                f"policy: cached op {key!r} of block {b.block} ({b.name}) has its output or input mutated in place "
+                "inside the block, so its cached value would be stale; recompute it"
+            )
+    cached_random = [r for r in _random(b) if r in save]
+    if cached_random:
+        after = [r for r in _random(b) if r > cached_random[0] and r not in save]
+        if after:
+            raise RematError(
+                f"policy: random op {b.ops[after[0]].key!r} of block {b.block} ({b.name}) is recomputed after the "
+                f"cached random op {b.ops[cached_random[0]].key!r}, so the recompute would draw other numbers "
+                "than the forward; cache it too or recompute both"
+            )
+    for i, key in recompute.items():
+        for r in b.ops[i].reads:
+            if r not in save and r not in recompute:
+                raise RematError(
+                    f"policy: recomputed op {key!r} of block {b.block} ({b.name}) reads the output of "
+                    f"{b.ops[r].key!r}, which is neither cached nor recomputed; add it to one of them"
+                )
+
+
+# A point of the trade-off: (held bytes, recompute time in ns, cached op indices).
+_Point = tuple[int, int, frozenset[int]]
+
+
+def _ns(ms: float) -> int:
+    # Integer nanoseconds make sums exact, so equal trade-offs compare equal.
+    return round(ms * 1e6)
+
+
+def _pareto(points: list[_Point]) -> list[_Point]:
+    """The points no other point beats on both held bytes and recompute time (first of equals kept)."""
+    order = sorted(range(len(points)), key=lambda k: (points[k][0], points[k][1], k))
+    out: list[_Point] = []
+    for k in order:
+        if not out or points[k][1] < out[-1][1]:
+            out.append(points[k])
+    return out
+
+
+def _exact(b: BlockOps, cands: list[int]) -> list[_Point]:
+    """Every Pareto-optimal cached set over ``cands`` (a knapsack over the fronts of growing item sets)."""
+    full = sum(_ns(op.ms) for op in b.ops[: b.stop])
+    # Points as (held, -time saved) while building, so both go down.
+    front: list[_Point] = [(0, 0, frozenset())]
+    rand = [i for i in cands if b.ops[i].random]
+    for i in cands:
+        if i in rand:
+            continue
+        item = (b.ops[i].out_bytes, -_ns(b.ops[i].ms), frozenset({i}))
+        front = _pareto(front + [(h + item[0], s + item[1], m | item[2]) for h, s, m in front])
+    if rand:
+        # The cached random ops are a suffix of them (NOTE [ Selective recompute semantics ]).
+        suffixes = [rand[k:] for k in range(len(rand) + 1)]
+        choices = [
+            (sum(b.ops[i].out_bytes for i in sfx), -sum(_ns(b.ops[i].ms) for i in sfx), frozenset(sfx))
+            for sfx in suffixes
+        ]
+        front = _pareto([(h + c[0], s + c[1], m | c[2]) for h, s, m in front for c in choices])
+    return [(h, full + s, m) for h, s, m in front]
+
+
+def _greedy(b: BlockOps, cands: list[int]) -> list[_Point]:
+    """Cached sets from caching every candidate down to none, recomputing the most bytes per ms first."""
+    full = sum(_ns(op.ms) for op in b.ops[: b.stop])
+    cached = set(cands)
+    out: list[_Point] = []
+    while True:
+        out.append(
+            (sum(b.ops[i].out_bytes for i in cached), full - sum(_ns(b.ops[i].ms) for i in cached), frozenset(cached))
+        )
+        if not cached:
+            return out
+        first_random = min((i for i in cached if b.ops[i].random), default=None)
+        eligible = [i for i in sorted(cached) if not b.ops[i].random or i == first_random]
+        best = max(eligible, key=lambda i: (b.ops[i].out_bytes / max(_ns(b.ops[i].ms), 1), -i))
+        cached.remove(best)
+
+
+def _spread(points: list[_Point], k: int, full_bytes: int, full_ns: int) -> list[_Point]:
+    """``k`` of the points spread along the trade-off: both ends, then each farthest from those chosen."""
+    if len(points) <= k:
+        return points
+    xs = [(h / max(full_bytes, 1), t / max(full_ns, 1)) for h, t, _ in points]
+    chosen = [0, len(points) - 1][:k]
+    while len(chosen) < k:
+        dist = [min(math.dist(xs[j], xs[c]) for c in chosen) for j in range(len(points))]
+        chosen.append(max(range(len(points)), key=lambda j: (dist[j], -j)))
+    return [points[j] for j in sorted(chosen)]
+
+
+def policy_menu(block_ops: BlockOps, *, exact_limit: int = 16, max_options: int = 6) -> tuple[OpPolicy, ...]:
+    """A few Pareto-optimal selective policies for one block, from most held to least.
+
+    The candidates are the ops whose outputs autograd saves and the ops producing their inputs, when
+    they can be cached. With at most ``exact_limit`` candidates the trade-off is exact (every subset is
+    covered by a knapsack over Pareto fronts); with more, greedy: cache every candidate, then stop
+    caching the op that frees the most bytes per ms of recompute, one at a time. Keeping the block and
+    recomputing it whole are not on the menu, nor anything they beat.
+
+    Args:
+        block_ops: The block's op profile.
+        exact_limit: Most candidates to search exactly, >= 0.
+        max_options: Most policies to return, >= 1; when the trade-off has more points, both ends and
+            the points farthest from those already chosen are returned.
+
+    Returns:
+        Policies ordered by ``held_bytes`` down (``recompute_ms`` up); empty when the block has nothing
+        to choose (no candidate, or no option beats both ends).
+
+    Raises:
+        RematError: If ``exact_limit`` < 0 or ``max_options`` < 1.
+    """
+    if exact_limit < 0 or max_options < 1:
+        raise RematError(f"policy_menu: exact_limit={exact_limit} must be >= 0 and max_options={max_options} >= 1")
+    b = block_ops
+    cands = _candidates(b)
+    if not cands:
+        return ()
+    points = _exact(b, cands) if len(cands) <= exact_limit else _greedy(b, cands)
+    full_ns = sum(_ns(op.ms) for op in b.ops[: b.stop])
+    keep: _Point = (b.own_saved_bytes, 0, frozenset({-1}))
+    nothing: _Point = (0, full_ns, frozenset())
+    # The ends first, so an option only as good as one of them loses to it.
+    front = [p for p in _pareto([keep, nothing, *points]) if p[2] and p is not keep]
+    front = _spread(front, max_options, b.own_saved_bytes, full_ns)
+    policies = [make_policy(b, (b.ops[i].key for i in m)) for _, _, m in front]
+    return tuple(sorted(policies, key=lambda p: (-p.held_bytes, p.recompute_ms)))
+
+
+def op_costs(profile: Profile) -> dict[tuple[int, RecomputeOps], tuple[int, float]]:
+    """Every block's policy menu as ways of keeping it, for the solvers (NOTE [ Keep variants ] in
+    ``remat.plan.solver``): ``(index, RecomputeOps) -> (bytes freed relative to Keep, extra ms)``.
+
+    The extra time is measured (NOTE [ Op-level policy costs ] in ``remat.profile.profiler``): what the
+    block cost beyond its plain run under torch's selective checkpoint caching nothing, less the time
+    of the cached ops, which the recomputation skips. Blocks without that measurement (stateful ones,
+    groups of modules, blocks writing into storages they did not allocate, profiles made with
+    ``ops=False``) get no policies.
+    """
+    out: dict[tuple[int, RecomputeOps], tuple[int, float]] = {}
+    for i, (bp, block_ops) in enumerate(zip(profile.block_profiles, profile.block_ops)):
+        if bp.selective_ms is None or bp.stateful:
+            continue
+        rerun_ms = sum(op.ms for op in block_ops.ops[: block_ops.stop])
+        for policy in policy_menu(block_ops):
+            skipped_ms = rerun_ms - policy.recompute_ms
+            extra_ms = max(policy.recompute_ms, bp.selective_ms - skipped_ms)
+            out[(i, RecomputeOps(i, policy.save, policy.freed))] = (policy.freed_bytes, extra_ms)
+    return out

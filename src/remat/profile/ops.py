@@ -1,0 +1,486 @@
+"""Per-op profile of each block: what every aten op of its forward costs in time and holds for backward.
+
+Selective recompute (NOTE [ Selective recompute semantics ] in ``remat.core.selective``) chooses, inside a
+block, which ops' outputs to cache and which to run again in the backward; this module measures what
+that choice needs. :func:`profile_ops` runs a few plain forwards of the model on the real batch, and for
+every aten op of each block's forward records, in order, its key (NOTE [ Op keys ]), its time, the new
+storages it allocates, which of them autograd saves for backward, the ops it reads, the storages it
+mutates, and whether it is random or a view. No backward runs.
+
+# NOTE [ Storages, not tensors ]
+Bytes are counted per storage, and every storage of the block is named by the op that allocated it:
+a view (``transpose``, ``split``, ``_unsafe_view``) and an in-place op (``bernoulli_``, ``div_``)
+allocate nothing, their outputs live in their input's storage. What autograd saves is charged to the
+op that allocated the saved storage (a softmax output saved by the ``bmm`` after a dropout is charged
+to ``_softmax``), so "this op's saved bytes" reads: what keeping this op's output costs in a plain
+step. Storages that are neither the block's own nor its inputs (parameters, buffers) are not counted.
+An op's output is recognised as new when its storage is not one of its inputs' storages, which also
+catches ops that alias without saying so in their schema (``_unsafe_view``).
+
+# NOTE [ Why not torch's SACEstimator ]
+``torch.distributed._tools.sac_estimator.SACEstimator`` (torch 2.13) measures the same things but does not
+serve here. It must run under ``FakeTensorMode``, so it never sees the real batch (data-dependent shapes,
+real kernel times); of its two time estimates, ``"operator-level-benchmark"`` times each op with
+``torch.cuda.Event`` and fails on a CPU-only build ("Tried to instantiate dummy base class Event"), and
+``"operator-level-cost-model"`` (roofline) asserts that CUDA is available. It records statistics per
+non-leaf module found by ``ModTracker`` rather than per remat block (a named group of sibling modules
+is no module), indexes ops by position rather than by the per-op-name counts that a selective
+checkpoint policy can match in the forward and the recompute, drops the last op's memory by a
+heuristic, and ranks ops greedily for one memory budget instead of giving the planner a menu. So remat
+profiles with its own dispatch mode, on the real batch, with the same op keys that
+``remat.core.selective.run_selective`` uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from remat._json import Reader
+from remat.blocks import Block, resolve
+from remat.core.runtime import suspended
+from remat.core.selective import OpKeys, op_name
+from remat.core.trace import call_model, preserved
+from remat.core.wrapped import unwrap
+from remat.errors import BlockSelectionError, RematError
+
+__all__ = ["EXTERNAL", "OpRecord", "BlockOps", "profile_ops"]
+
+log = logging.getLogger(__name__)
+
+EXTERNAL = -1
+"""The owner of a storage the block did not allocate (its inputs, parameters, buffers)."""
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One aten op of a block's forward (NOTE [ Storages, not tensors ]).
+
+    Attributes:
+        index: Position in the block's forward, from 0.
+        key: ``"<name>#<occurrence>"`` (NOTE [ Op keys ] in ``remat.core.selective``), e.g. ``"gelu#0"``.
+        name: Short op name, e.g. ``"gelu"``, ``"native_layer_norm"``.
+        ms: Measured time of the op, milliseconds (median over the profiled forwards).
+        out_bytes: Bytes of the new storages its outputs live in (0 for a view or an in-place op).
+        saved_bytes: Bytes of those new storages that autograd saves for backward (by any op of the block).
+        reads: Indices of the ops of this block whose outputs it reads (an in-place op counts as
+            producing its output), in first-read order.
+        storages: For each storage its outputs live in, the index of the op that allocated it: its
+            own index for a new one, ``-1`` for one the block did not allocate.
+        writes: The storages it mutates in place, named like ``storages`` (``-1``: a buffer or an input).
+        random: Whether it draws from the random number generator (``bernoulli_``, ``native_dropout``, ``rand*``).
+        view: Whether its outputs only alias its inputs' storages, mutating nothing (``view``, ``transpose``,
+            ``_unsafe_view``).
+    """
+
+    index: int
+    key: str
+    name: str
+    ms: float
+    out_bytes: int
+    saved_bytes: int
+    reads: tuple[int, ...] = ()
+    storages: tuple[int, ...] = ()
+    writes: tuple[int, ...] = ()
+    random: bool = False
+    view: bool = False
+
+    @property
+    def fresh(self) -> bool:
+        """Whether every output lives in a storage this op allocated (what selective recompute can cache)."""
+        return bool(self.storages) and all(s == self.index for s in self.storages)
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as plain JSON values."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, data: Any, reader: Reader | None = None, path: str = "op") -> OpRecord:
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            RematError: If a field is missing or of the wrong type.
+        """
+        return (reader or Reader("ops")).build(cls, data, path)
+
+
+@dataclass(frozen=True)
+class BlockOps:
+    """The ops of one block's forward, with what autograd saves.
+
+    Attributes:
+        block: The block's index.
+        name: The block's name (``Block.name``).
+        ops: Its ops in forward order.
+        saved_bytes: Bytes autograd saves in the block's forward, once per storage, parameters and
+            buffers excluded (the block's own storages and its inputs).
+        input_saved_bytes: Of those, bytes of the block's inputs.
+        stop: Ops ``[0, stop)`` run again in a recompute: torch's early stop ends it when the last
+            tensor the forward saved has been saved again.
+        outputs: The ops that allocated the storages of the block's outputs. Caching one holds its
+            output, which the next block may hold anyway (when it saves its input).
+    """
+
+    block: int
+    name: str
+    ops: tuple[OpRecord, ...]
+    saved_bytes: int
+    input_saved_bytes: int
+    stop: int
+    outputs: tuple[int, ...] = ()
+    _index: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._index.update((op.key, op.index) for op in self.ops)
+
+    @property
+    def own_saved_bytes(self) -> int:
+        """Bytes autograd saves of the block's own storages (its inputs excluded): what keeping it holds."""
+        return self.saved_bytes - self.input_saved_bytes
+
+    @property
+    def fwd_ms(self) -> float:
+        """Sum of the ops' times, milliseconds."""
+        return sum(op.ms for op in self.ops)
+
+    def index_of(self, key: str) -> int | None:
+        """The index of the op with ``key``, or ``None`` if the block has no such op."""
+        return self._index.get(key)
+
+    def to_json(self) -> dict[str, Any]:
+        """The block's ops as plain JSON values."""
+        return {
+            "block": self.block,
+            "name": self.name,
+            "ops": [op.to_json() for op in self.ops],
+            "saved_bytes": self.saved_bytes,
+            "input_saved_bytes": self.input_saved_bytes,
+            "stop": self.stop,
+            "outputs": list(self.outputs),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, reader: Reader | None = None, path: str = "block_ops") -> BlockOps:
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            RematError: If a field is missing or of the wrong type.
+        """
+        return (reader or Reader("ops")).build(cls, data, path)
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int] | None:
+    """(data pointer, bytes) of a tensor's storage; ``None`` for one without memory (empty, DTensor, meta)."""
+    try:
+        st = t.untyped_storage()
+        ptr, nbytes = st.data_ptr(), st.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return (ptr, nbytes) if ptr and nbytes else None
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors ``func`` mutates, from its schema (``Tensor(a!) self``, ``out=``)."""
+    out: list[torch.Tensor] = []
+    schema = getattr(func, "_schema", None)
+    for i, arg in enumerate(getattr(schema, "arguments", ())):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        out.extend(_tensors(value))
+    return out
+
+
+@dataclass
+class _Op:
+    key: str
+    name: str
+    ns: int
+    out_bytes: int
+    reads: list[int]
+    storages: list[int]
+    writes: list[int]
+    random: bool
+    view: bool
+    saved: dict[int, int] = field(default_factory=dict)  # ptr -> bytes of its storages autograd saved
+
+
+class _Run:
+    """What one forward of one block did."""
+
+    def __init__(self, inputs: list[torch.Tensor]) -> None:
+        self.keys = OpKeys()
+        self.ops: list[_Op] = []
+        self.owner: dict[int, int] = {}  # storage pointer -> op that allocated it (the latest one at that address)
+        self.last_writer: dict[int, int] = {}  # allocating op -> last op that wrote that storage
+        self.producer = WeakTensorKeyDictionary()  # tensor -> op whose output it is
+        self.inputs: dict[int, int] = {}
+        for t in inputs:
+            st = _storage(t)
+            if st is not None:
+                self.inputs[st[0]] = st[1]
+        self.input_saved: dict[int, int] = {}
+        self.stop = 0
+        self.outputs: list[int] = []
+
+    def owner_of(self, ptr: int) -> int:
+        return self.owner.get(ptr, EXTERNAL)
+
+    def record(self, func: Any, key: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, ns: int) -> None:
+        index = len(self.ops)
+        reads: list[int] = []
+        in_ptrs: set[int] = set()
+        for t in _tensors((args, kwargs)):
+            st = _storage(t)
+            if st is not None:
+                in_ptrs.add(st[0])
+            src = self.producer.get(t)
+            if src is None and st is not None and st[0] in self.owner:
+                # A tensor no recorded op returned (a detach): it reads whatever last wrote its storage.
+                src = self.last_writer.get(self.owner[st[0]], self.owner[st[0]])
+            if src is not None and src not in reads:
+                reads.append(src)
+        writes: list[int] = []
+        for t in _written(func, args, kwargs):
+            st = _storage(t)
+            if st is not None and self.owner_of(st[0]) not in writes:
+                writes.append(self.owner_of(st[0]))
+        storages: list[int] = []
+        out_bytes = 0
+        for t in _tensors(out):
+            self.producer[t] = index
+            st = _storage(t)
+            if st is None:
+                continue
+            ptr, nbytes = st
+            if ptr in in_ptrs:
+                owner = self.owner_of(ptr)
+            else:
+                if self.owner.get(ptr) != index:
+                    out_bytes += nbytes
+                self.owner[ptr] = owner = index
+            if owner not in storages:
+                storages.append(owner)
+        for w in writes:
+            if w != EXTERNAL:
+                self.last_writer[w] = index
+        view = bool(storages) and not writes and index not in storages
+        random = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+        self.ops.append(
+            _Op(
+                key,
+                op_name(func),
+                ns,
+                out_bytes,
+                reads,
+                storages,
+                writes,
+                random,
+                view or bool(getattr(func, "is_view", False)),
+            )
+        )
+
+    def saved(self, t: torch.Tensor) -> None:
+        self.stop = len(self.ops)
+        st = _storage(t)
+        if st is None:
+            return
+        ptr, nbytes = st
+        owner = self.owner.get(ptr)
+        if owner is not None:
+            self.ops[owner].saved[ptr] = nbytes
+        elif ptr in self.inputs:
+            self.input_saved[ptr] = nbytes
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the ops of each block's forward; outside the blocks it only passes ops through."""
+
+    def __init__(self, n_blocks: int) -> None:
+        super().__init__()
+        self.runs: list[_Run | None] = [None] * n_blocks
+        self.current: _Run | None = None
+        self.current_index = -1
+
+    def start(self, i: int, inputs: list[torch.Tensor]) -> None:
+        # A block whose forward runs again in the same step (shared weights) is recorded the first time.
+        if self.current is None and self.runs[i] is None:
+            self.current = self.runs[i] = _Run(inputs)
+            self.current_index = i
+
+    def end(self, i: int, out: Any) -> None:
+        run = self.current
+        if run is None or self.current_index != i:
+            return
+        for t in _tensors(out):
+            st = _storage(t)
+            owner = run.owner.get(st[0], EXTERNAL) if st is not None else EXTERNAL
+            if owner != EXTERNAL and owner not in run.outputs:
+                run.outputs.append(owner)
+        self.current, self.current_index = None, -1
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.current is not None:
+            self.current.saved(t)
+        return t
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        run = self.current
+        key = run.keys(func) if run is not None else None
+        if run is None or key is None:
+            return func(*args, **kwargs)
+        cuda = [t.device for t in _tensors((args, kwargs)) if t.device.type == "cuda"]
+        if cuda:
+            torch.cuda.synchronize(cuda[0])
+        t0 = time.perf_counter_ns()
+        out = func(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize(cuda[0])
+        ns = time.perf_counter_ns() - t0
+        run.record(func, key, args, kwargs, out, ns)
+        return out
+
+
+def _one_forward(
+    model: nn.Module, inputs: Any, members: list[list[nn.Module]], block_list: Sequence[Block]
+) -> tuple[list[_Run], Any]:
+    rec = _Recorder(len(members))
+    handles = []
+    for i, mods in enumerate(members):
+
+        def pre(_m: nn.Module, args: Any, kwargs: Any, i: int = i) -> None:
+            rec.start(i, _tensors((args, kwargs)))
+
+        def post(_m: nn.Module, _args: Any, out: Any, i: int = i) -> None:
+            rec.end(i, out)
+
+        handles.append(mods[0].register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mods[-1].register_forward_hook(post, always_call=True))
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t), rec:
+            out = call_model(model, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [block_list[i].name for i, r in enumerate(rec.runs) if r is None]
+    if missing:
+        raise BlockSelectionError(
+            f"profile_ops: block {missing[0]!r} did not run in the forward of {type(model).__name__}; "
+            "select blocks that the model's forward calls"
+        )
+    return [r for r in rec.runs if r is not None], out
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise RematError(
+            f"profile_ops: loss_fn returned {what}; it must map the model's output to a scalar loss that "
+            "depends on the parameters"
+        )
+
+
+def _block_ops(block: Block, runs: list[_Run]) -> BlockOps:
+    first = runs[0]
+    keys = [op.key for op in first.ops]
+    for r, run in enumerate(runs[1:], 1):
+        other = [op.key for op in run.ops]
+        if other != keys:
+            at = next((j for j, (a, b) in enumerate(zip(keys, other)) if a != b), min(len(keys), len(other)))
+            seen = keys[at] if at < len(keys) else "its end"
+            then = other[at] if at < len(other) else "its end"
+            raise RematError(
+                f"profile_ops: block {block.name!r} ran different ops in forward 1 and forward {r + 1} "
+                f"(op {at}: {seen} then {then}); selective recompute needs a forward that runs the same ops "
+                "every time (no data-dependent control flow); recompute this block whole instead"
+            )
+    records = []
+    for j, op in enumerate(first.ops):
+        ms = statistics.median(run.ops[j].ns for run in runs) / 1e6
+        records.append(
+            OpRecord(
+                index=j,
+                key=op.key,
+                name=op.name,
+                ms=ms,
+                out_bytes=op.out_bytes,
+                saved_bytes=sum(op.saved.values()),
+                reads=tuple(op.reads),
+                storages=tuple(op.storages),
+                writes=tuple(op.writes),
+                random=op.random,
+                view=op.view,
+            )
+        )
+    input_saved = sum(first.input_saved.values())
+    return BlockOps(
+        block=block.index,
+        name=block.name,
+        ops=tuple(records),
+        saved_bytes=sum(r.saved_bytes for r in records) + input_saved,
+        input_saved_bytes=input_saved,
+        stop=first.stop,
+        outputs=tuple(sorted(first.outputs)),
+    )
+
+
+def profile_ops(
+    model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor], blocks: Sequence[Block], *, rounds: int = 3
+) -> tuple[BlockOps, ...]:
+    """Profile every aten op of each block's forward on the real batch (NOTE [ Storages, not tensors ]).
+
+    Runs ``rounds`` plain forwards of the model (no backward) with gradients enabled, any remat plan
+    applied to it suspended; each op's time is the median over the forwards. The model is left as it
+    was: buffers, gradients, RNG state, train/eval mode.
+
+    Args:
+        model: The model, on the device to profile on, in the mode it trains in (dropout active).
+        inputs: A tensor, a tuple of positional arguments or a dict of keyword arguments.
+        loss_fn: Maps the model's output to a scalar loss; called once, on the first forward's output, to
+            check it (no backward runs).
+        blocks: The blocks to profile (``remat.blocks(model)``).
+        rounds: Forwards to run, >= 1.
+
+    Returns:
+        One :class:`BlockOps` per block, in the order of ``blocks``.
+
+    Raises:
+        RematError: If ``rounds`` < 1, a block does not run in the forward, ``loss_fn`` does not return a
+            scalar that requires grad, or a block runs different ops in two forwards.
+    """
+    if rounds < 1:
+        raise RematError(f"profile_ops: rounds={rounds} must be >= 1")
+    if unwrap(model) is not model:
+        model = unwrap(model)
+    block_list = tuple(blocks)
+    if not block_list:
+        raise BlockSelectionError("profile_ops: no blocks to profile; select at least one block")
+    members = resolve(model, block_list)
+    t0 = time.perf_counter()
+    runs: list[list[_Run]] = []
+    with suspended(model), preserved(model, inputs):
+        for r in range(rounds):
+            run, output = _one_forward(model, inputs, members, block_list)
+            runs.append(run)
+            if r == 0:
+                with torch.enable_grad():
+                    _check_loss(loss_fn(output))
+            del output
+    out = tuple(_block_ops(b, [run[i] for run in runs]) for i, b in enumerate(block_list))
+    log.debug("profile_ops: %d blocks, %d forwards in %.3fs", len(out), rounds, time.perf_counter() - t0)
+    return out

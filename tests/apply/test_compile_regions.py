@@ -1,0 +1,124 @@
+"""torch.compile over a planned model: plans of the ``compile`` solver trace whole (NOTE [ Under
+torch.compile ] in ``remat.core.runtime``): no graph break and no block left to remat's eager runtime,
+recomputation inside the compiled graph, and training like the eager model.
+
+With torch 2.13, dynamo reports no graph break at a ``torch.compiler.disable`` function either: it calls
+it as an opaque function. So besides ``graph_break_count`` the tests count the calls that reach remat's
+eager runtime from the compiled model: none means every block runs compiled."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.core.ops import Recompute, RecomputeSub
+from remat.models import workload
+
+
+def _breaks(model: nn.Module, inputs: Any) -> int:
+    torch._dynamo.reset()
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    kwargs = inputs if isinstance(inputs, dict) else {}
+    count = torch._dynamo.explain(model)(*(() if kwargs else args), **kwargs).graph_break_count
+    torch._dynamo.reset()
+    return int(count)
+
+
+def _eager_calls(model: nn.Module, inputs: Any, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Calls of remat's eager runtime during one compiled forward (after a first one that compiles)."""
+    from remat.core import runtime
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    run = (lambda: compiled(**inputs)) if isinstance(inputs, dict) else (lambda: compiled(inputs))
+    run()
+    calls = [0]
+    invoke = runtime._invoke
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return invoke(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "_invoke", counted)
+    run()
+    monkeypatch.setattr(runtime, "_invoke", invoke)
+    torch._dynamo.reset()
+    return calls[0]
+
+
+def _gpt() -> tuple[nn.Module, Any, Callable[[Any], torch.Tensor]]:
+    w = workload("gpt", n_layers=4, d_model=64, n_heads=2, seq_len=64, batch=4, vocab_size=128, dropout=0.0)
+    return w.model, w.inputs, w.loss_fn
+
+
+def _llama() -> tuple[nn.Module, Any, Callable[[Any], torch.Tensor]]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (4, 256))
+    # Training without a KV cache, as HF's own gradient checkpointing forces: a cache update inside a
+    # checkpointed layer is a side effect dynamo will not trace inside a checkpoint.
+    return model, {"input_ids": ids, "labels": ids, "use_cache": False}, lambda out: out.loss
+
+
+@pytest.mark.parametrize("make", [_gpt, _llama], ids=["gpt", "llama"])
+def test_compile_solver_plans_compile_whole_and_fit_the_budget(
+    make: Callable[[], Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, inputs, loss_fn = make()
+    plain_breaks = _breaks(model, inputs)
+    prof = remat.profile(model, inputs, loss_fn, repeats=1, ops=False)
+    plan = remat.plan(prof, "60%", solver="compile")
+    # Something is recomputed, each operation one checkpoint of one module.
+    assert any(isinstance(op, (Recompute, RecomputeSub)) for op in plan.ops)
+    for op in plan.ops:
+        if isinstance(op, Recompute):
+            assert op.stop == op.start + 1 and not any(isinstance(i, RecomputeSub) for i in op.inner), plan.describe()
+    eager = copy.deepcopy(model)
+    remat.apply(model, plan)
+    assert _breaks(model, inputs) == plain_breaks
+    assert _eager_calls(model, inputs, monkeypatch) == 0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    for m in (eager, model):
+        for p in m.parameters():
+            p.grad = None
+    loss_fn(eager(**inputs) if isinstance(inputs, dict) else eager(inputs)).backward()
+    loss_fn(compiled(**inputs) if isinstance(inputs, dict) else compiled(inputs)).backward()
+    for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+        assert a.grad is not None and b.grad is not None
+        assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), name
+
+    # The compiled graph recomputes: its peak keeps to the budget (the eager plan's prediction). Not at
+    # every budget: the compiled backward schedules the recomputation of its checkpoints itself, and on
+    # this Llama a 40% plan measures 1.19x its budget compiled (README, Known limits).
+    measured = remat.measure(compiled, inputs, loss_fn, steps=1).peak_bytes
+    assert plan.budget_bytes is not None
+    assert measured <= 1.05 * plan.budget_bytes, (measured, plan.budget_bytes, plan.describe())
+    torch._dynamo.reset()
+
+
+def test_segments_of_several_modules_run_eagerly_under_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the compile solver avoids: each member of a multi-module segment runs through the eager runtime.
+    model, inputs, _loss_fn = _gpt()
+    remat.apply(model, remat.plan(model, strategy=remat.segments(2)))
+    assert _eager_calls(model, inputs, monkeypatch) > 0
+    remat.apply(model, remat.plan(model, strategy=remat.full()))
+    assert _eager_calls(model, inputs, monkeypatch) == 0

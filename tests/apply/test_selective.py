@@ -1,0 +1,191 @@
+"""remat.core.selective: every menu policy gives the plain model's gradients bitwise, and holds what the menu says."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.blocks import resolve
+from remat.core.selective import run_selective
+from remat.core.trace import record_memory
+from remat.errors import RematError
+from remat.models import Workload, workload
+from remat.plan.policies import OpPolicy, make_policy, policy_menu, validate_policy
+from remat.profile.ops import BlockOps, profile_ops
+
+
+@contextlib.contextmanager
+def selective(model: nn.Module, saves: Sequence[frozenset[str] | None]) -> Iterator[None]:
+    """Run block ``i`` of ``model`` through run_selective with ``saves[i]`` (``None``: plain)."""
+    members = [m[0] for m in resolve(model, remat.blocks(model))]
+    patched = []
+    for module, save in zip(members, saves):
+        if save is None:
+            continue
+        forward = module.forward
+
+        def wrapped(
+            *args: Any, forward: Callable[..., Any] = forward, save: frozenset[str] = save, **kwargs: Any
+        ) -> Any:
+            return run_selective(forward, args, kwargs, save)
+
+        module.forward = wrapped  # type: ignore[method-assign]
+        patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
+def step_grads(
+    model: nn.Module, x: Any, loss_fn: Callable[[Any], torch.Tensor], seed: int = 0
+) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = loss_fn(model(x))
+    loss.backward()
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    out["loss"] = loss.detach().clone()
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not bad, f"gradients differ: {bad[:5]}"
+
+
+def menus(w: Workload) -> tuple[tuple[BlockOps, ...], list[tuple[OpPolicy, ...]]]:
+    ops = profile_ops(w.model, w.inputs, w.loss_fn, remat.blocks(w.model), rounds=1)
+    return ops, [policy_menu(b) for b in ops]
+
+
+def small_gpt() -> Workload:
+    return workload("gpt", n_layers=2, d_model=64, n_heads=2, seq_len=32, batch=2, vocab_size=128, dropout=0.1)
+
+
+def test_every_menu_policy_of_the_gpt_gives_the_plain_gradients() -> None:
+    w = small_gpt()
+    ops, per_block = menus(w)
+    assert all(len(m) >= 3 for m in per_block)
+    plain = step_grads(w.model, w.inputs, w.loss_fn)
+    n = len(ops)
+    for i, menu in enumerate(per_block):
+        for policy in (*menu, make_policy(ops[i], ())):  # and caching nothing: plain checkpointing
+            saves: list[frozenset[str] | None] = [None] * n
+            saves[i] = frozenset(policy.save)
+            with selective(w.model, saves):
+                assert_bitwise_equal(step_grads(w.model, w.inputs, w.loss_fn), plain)
+    # Every block under a policy at once, the k-th option of each.
+    for k in range(min(len(m) for m in per_block)):
+        with selective(w.model, [frozenset(m[k].save) for m in per_block]):
+            assert_bitwise_equal(step_grads(w.model, w.inputs, w.loss_fn), plain)
+
+
+class ConvBlock(nn.Module):
+    """A ResNet basic block: conv, BatchNorm, in-place ReLU, conv, BatchNorm, residual, ReLU."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x))))))
+
+
+def conv_net() -> Workload:
+    torch.manual_seed(0)
+    model = nn.Sequential(ConvBlock(8), ConvBlock(8), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+    x = torch.randn(4, 8, 12, 12)
+    target = torch.randint(0, 3, (4,))
+    return Workload("conv", model, x, lambda out: nn.functional.cross_entropy(out, target), "ConvNet")
+
+
+def test_every_menu_policy_of_a_batchnorm_conv_block_gives_the_plain_gradients() -> None:
+    w = conv_net()
+    ops, per_block = menus(w)
+    assert [len(m) for m in per_block] and all(len(m) >= 1 for m in per_block)
+    reference = copy.deepcopy(w.model)  # BatchNorm statistics move with every step: start each from the same
+    plain = step_grads(copy.deepcopy(reference), w.inputs, w.loss_fn)
+    for i, menu in enumerate(per_block):
+        for policy in (*menu, make_policy(ops[i], ())):
+            model = copy.deepcopy(reference)
+            saves: list[frozenset[str] | None] = [None, None]
+            saves[i] = frozenset(policy.save)
+            with selective(model, saves):
+                assert_bitwise_equal(step_grads(model, w.inputs, w.loss_fn), plain)
+
+
+def test_torch_refuses_a_cached_output_that_a_later_op_mutates() -> None:
+    # The rule validate_policy enforces is torch's: the in-place ReLU changes BatchNorm's output.
+    w = conv_net()
+    ops, _ = menus(w)
+    bn = next(op.key for op in ops[0].ops if "batch_norm" in op.name and op.out_bytes > 0)
+    with pytest.raises(RematError, match=f"cached op '{bn}' .* mutated in place"):
+        validate_policy(ops[0], make_policy(ops[0], [bn]))
+    with selective(w.model, [frozenset({bn}), None]), pytest.raises(RuntimeError, match="mutated"):
+        step_grads(w.model, w.inputs, w.loss_fn)
+
+
+def test_held_bytes_between_forward_and_backward_are_the_predicted_ones() -> None:
+    w = workload("gpt", n_layers=2, d_model=128, n_heads=4, seq_len=128, batch=4, vocab_size=128, dropout=0.1)
+    ops = profile_ops(w.model, w.inputs, w.loss_fn, remat.blocks(w.model), rounds=1)
+    block = resolve(w.model, remat.blocks(w.model))[1][0]
+    x = torch.randn(4, 128, 128, requires_grad=True)
+
+    def held(save: frozenset[str] | None) -> int:
+        """Bytes the block's forward leaves allocated, its output excluded (CPU: the profiler's allocations)."""
+        kept: list[torch.Tensor] = []
+
+        def forward() -> None:
+            kept.append(block(x) if save is None else run_selective(block, (x,), {}, save))
+
+        level = record_memory(forward, torch.device("cpu")).level_bytes[-1]
+        return level - kept[0].untyped_storage().nbytes()
+
+    b = ops[1]
+    # Kept plain, the block holds what autograd saves of its own storages (its input is x's).
+    assert held(None) == pytest.approx(b.own_saved_bytes, rel=0.01)
+    base = held(frozenset())  # caching nothing still holds the checkpoint's RNG state
+    assert base < 16 * 1024
+    menu = policy_menu(b)
+    assert len(menu) >= 4 and menu[-1].held_bytes < b.own_saved_bytes / 4
+    for policy in menu:
+        assert held(frozenset(policy.save)) - base == pytest.approx(policy.held_bytes, rel=0.02), policy.describe()
+
+
+def test_keyword_arguments_reach_the_block_even_with_checkpoint_names() -> None:
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+
+    def fn(x: torch.Tensor, *, debug: float, context_fn: float) -> torch.Tensor:
+        return torch.tanh(lin(x)) * debug + context_fn
+
+    out = run_selective(fn, (x,), {"debug": 2.0, "context_fn": 1.0}, frozenset({"addmm#0"}))
+    assert torch.equal(out, fn(x, debug=2.0, context_fn=1.0))
+    out.sum().backward()
+    assert x.grad is not None
+
+
+def test_a_policy_for_ops_that_do_not_run_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    with caplog.at_level("WARNING", logger="remat.core.selective"):
+        run_selective(lambda x: torch.tanh(lin(x)), (x,), {}, frozenset({"addmm#0", "tanh#0"}))
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="remat.core.selective"):
+        run_selective(lambda x: torch.tanh(lin(x)), (x,), {}, frozenset({"addmm#1", "gelu#0", "tanh#0"}))
+    assert "cached ops addmm#1, gelu#0 did not run in this forward" in caplog.text
