@@ -189,3 +189,19 @@ def test_a_policy_for_ops_that_do_not_run_is_reported(caplog: pytest.LogCaptureF
     with caplog.at_level("WARNING", logger="remat.core.selective"):
         run_selective(lambda x: torch.tanh(lin(x)), (x,), {}, frozenset({"addmm#1", "gelu#0", "tanh#0"}))
     assert "cached ops addmm#1, gelu#0 did not run in this forward" in caplog.text
+
+
+def test_a_policy_on_a_block_that_updates_buffers_is_refused_before_the_backward() -> None:
+    # BatchNorm's running statistics: the policy's recomputation would update them a second time.
+    from remat.core.ops import Keep, RecomputeOps
+    from remat.plan.types import Plan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)), nn.Linear(8, 1))
+    blocks = remat.blocks(model)
+    plan = Plan(strategy="by hand", blocks=tuple(blocks), ops=(RecomputeOps(0, ()), Keep(1)))
+    remat.apply(model, plan)
+    with pytest.raises(remat.RematError, match=r"updates buffer\(s\) \['1.num_batches_tracked'.*op-level policy"):
+        model(torch.randn(4, 8))
+    bn = model[0][1]
+    assert isinstance(bn, nn.BatchNorm1d) and int(bn.num_batches_tracked) == 1  # updated once, as plainly

@@ -70,9 +70,22 @@ def chain_peak(chain: Chain, ops: tuple[Op, ...]) -> int:
     return simulate(bare, ops).peak_bytes
 
 
+def measured(chain: Chain, ops: tuple[Op, ...]) -> tuple[int, int, float]:
+    """(chain peak above base, ``simulate``'s peak, total ms) of a plan, from one simulation of the bare chain.
+
+    The simulator starts at ``base_bytes``, so every level of the real chain is the bare chain's plus
+    ``base_bytes``, and ``simulate`` takes the maximum with ``pre_peak_bytes`` and ``base + tail``; the
+    times do not depend on those three.
+    """
+    bare = dataclasses.replace(chain, base_bytes=0, pre_peak_bytes=-(10**18), tail_peak_bytes=-(10**18))
+    sim = simulate(bare, ops)
+    full = max(chain.base_bytes + sim.peak_bytes, chain.pre_peak_bytes, chain.base_bytes + chain.tail_peak_bytes)
+    return sim.peak_bytes, full, sim.total_ms
+
+
 def brute_force(chain: Chain, nested: bool) -> list[tuple[int, float]]:
     """(chain peak above base, total ms) of every plan in the solver's plan space."""
-    return [(chain_peak(chain, ops), simulate(chain, ops).total_ms) for ops in all_plans(chain.n, nested=nested)]
+    return [(peak, ms) for peak, _, ms in (measured(chain, ops) for ops in all_plans(chain.n, nested=nested))]
 
 
 def budgets(peaks: Iterable[int], count: int = 7) -> list[int]:
@@ -274,14 +287,15 @@ def test_min_peak_matches_brute_force(seed: int, n: int, nested: bool) -> None:
     rng = np.random.default_rng(seed)
     chain = random_chain(rng, n, hi=int(rng.choice([4, 20, 60])), negative_keep=seed % 3 == 2)
     plans = list(all_plans(n, nested=nested))
-    full_peaks = [simulate(chain, ops).peak_bytes for ops in plans]
+    figures = [measured(chain, ops) for ops in plans]
+    full_peaks = [full for _, full, _ in figures]
     assert min_peak(chain, nested=nested) == min(full_peaks)
     best = min_peak_plan(chain, nested=nested)
     assert simulate(chain, best).peak_bytes == min(full_peaks)
     if not nested:
         assert depth(best) <= 1
     # solve finds a plan exactly from the lowest chain peak on.
-    lowest = min(chain_peak(chain, ops) for ops in plans)
+    lowest = min(peak for peak, _, _ in figures)
     assert solve(chain, lowest, nested=nested) is not None
     assert solve(chain, lowest - 1, nested=nested) is None
 
@@ -608,3 +622,14 @@ def test_solve_and_min_peak_respect_barriers_and_match_brute_force(seed: int, n:
         assert ops is not None and not _crosses(ops, joinable), (joinable, ops)
         assert chain_peak(chain, ops) <= headroom
         assert simulate(chain, ops).total_ms == pytest.approx(min(fitting), rel=1e-12, abs=1e-12)
+
+
+def test_one_bare_simulation_gives_the_chain_and_the_full_peak() -> None:
+    # What makes the brute-force oracles above one simulation per plan: against two simulations.
+    rng = np.random.default_rng(77)
+    for _ in range(30):
+        chain = with_grads(rng, random_chain(rng, int(rng.integers(1, 6)), hi=50, negative_keep=True), 50)
+        for ops in list(all_plans(chain.n))[:40]:
+            peak, full, ms = measured(chain, ops)
+            sim = simulate(chain, ops)
+            assert (peak, full, ms) == (chain_peak(chain, ops), sim.peak_bytes, pytest.approx(sim.total_ms))

@@ -592,7 +592,7 @@ def _run(module: nn.Module, role: _Role | None, args: tuple[Any, ...], kwargs: d
     raised = True
     try:
         if role is not None and role.policy is not None and torch.is_grad_enabled():
-            out = run_selective(_original(module, role), args, kwargs, role.policy)  # NOTE [ Op-level policies ]
+            out = _run_policy(module, role, args, kwargs)
         else:
             out = _original(module, role)(*args, **kwargs)
         raised = False
@@ -600,6 +600,23 @@ def _run(module: nn.Module, role: _Role | None, args: tuple[Any, ...], kwargs: d
     finally:
         if observer is not None:
             observer(module, False, raised)
+
+
+def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A block under an op-level policy (NOTE [ Op-level policies ] in ``remat.core.selective``)."""
+    assert role.policy is not None
+    buffers = [(name, b, b._version) for name, b in module.named_buffers()]
+    out = run_selective(_original(module, role), args, kwargs, role.policy)
+    changed = [name for name, b, version in buffers if b._version != version]
+    if changed:
+        # Its recomputation in the backward would update them a second time: refuse before that happens
+        # (the forward that just ran updated them once, as the plain model would have).
+        raise RematError(
+            f"apply: module {role.name!r} updates buffer(s) {changed[:4]} in its forward, so an op-level policy "
+            "(RecomputeOps) would update them again in the backward; keep this block or recompute it whole "
+            "(remat.plan does not offer policies for such blocks)"
+        )
+    return out
 
 
 def _frame_for(span: _Span, position: int) -> _Frame:

@@ -26,6 +26,20 @@ again, until the last tensor the forward saved is saved again (torch's early sto
   and read the recomputed tensor it was meant to mutate);
 - a cached random op does not draw from the generator in the recompute, so every random op after it
   must be cached too, or it would draw different numbers than in the forward.
+
+# NOTE [ Op-level policies ]
+A plan keeps a block under an op-level policy with ``RecomputeOps(index, save, recompute)``
+(``remat.core.ops``): the runtime (``remat.core.runtime``) calls the block's own forward through
+:func:`run_selective` with ``save`` as the cached ops. Rules that keep it exact:
+
+- top level only: ``validate_ops`` refuses a policy inside a recomputed segment (the segment's replay
+  would run torch's checkpoint inside remat's recording), and the solvers never place one there;
+- single-module blocks only: op keys count per forward of one module (``apply`` refuses a group);
+- no state: the profile offers no policy for a block whose ops write into storages they did not
+  allocate (a BatchNorm's running statistics, an in-place edit of an input), whose recomputation
+  would write them twice, nor for a stateful block;
+- which ops may be cached (no views, no in-place ops, nothing a later op mutates, random ops in
+  order): ``remat.plan.policies.validate_policy``.
 """
 
 from __future__ import annotations
