@@ -21,7 +21,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"apply"}),
     frozenset({"measure"}),
     frozenset({"report"}),
-    frozenset({"train", "integrations"}),
+    frozenset({"train", "integrations", "compiled"}),
     frozenset({"cli", "__init__", "_facade", "__main__"}),  # the public facade and the command line
 )
 

@@ -17,6 +17,7 @@ from remat._facade import apply, check_gradients
 from remat._version import __version__ as __version__
 from remat.apply import CheckpointedSequential, applied, checkpoint, remove
 from remat.blocks import Block, LayerType, blocks
+from remat.compiled import CompiledPlan, plan_compiled
 from remat.errors import (
     BlockSelectionError,
     BudgetInfeasibleError,
@@ -76,6 +77,8 @@ __all__ = [
     "accumulate",
     "autocast_step",
     "split_batch",
+    "plan_compiled",
+    "CompiledPlan",
 ]
 
 del STRATEGIES

@@ -33,16 +33,10 @@ def _breaks(model: nn.Module, inputs: Any) -> int:
     return int(count)
 
 
-def _eager_calls(model: nn.Module, inputs: Any, monkeypatch: pytest.MonkeyPatch) -> int:
-    """Calls of remat's eager runtime during one compiled forward (after a first one that compiles)."""
+def _counting_eager_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on (until ``monkeypatch.undo()``), ``out[0]`` counts the calls of remat's eager runtime."""
     from remat.core import runtime
 
-    torch._dynamo.reset()
-    # aot_eager: dynamo and AOT autograd (where a checkpoint's recomputation is partitioned), without
-    # inductor's code generation, which these counts do not need.
-    compiled = torch.compile(model, backend="aot_eager")
-    run = (lambda: compiled(**inputs)) if isinstance(inputs, dict) else (lambda: compiled(inputs))
-    run()
     calls = [0]
     invoke = runtime._invoke
 
@@ -51,8 +45,20 @@ def _eager_calls(model: nn.Module, inputs: Any, monkeypatch: pytest.MonkeyPatch)
         return invoke(*args, **kwargs)
 
     monkeypatch.setattr(runtime, "_invoke", counted)
+    return calls
+
+
+def _eager_calls(model: nn.Module, inputs: Any, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Calls of remat's eager runtime during one compiled forward (after a first one that compiles)."""
+    torch._dynamo.reset()
+    # aot_eager: dynamo and AOT autograd (where a checkpoint's recomputation is partitioned), without
+    # inductor's code generation, which these counts do not need.
+    compiled = torch.compile(model, backend="aot_eager")
+    run = (lambda: compiled(**inputs)) if isinstance(inputs, dict) else (lambda: compiled(inputs))
     run()
-    monkeypatch.setattr(runtime, "_invoke", invoke)
+    calls = _counting_eager_calls(monkeypatch)
+    run()
+    monkeypatch.undo()
     torch._dynamo.reset()
     return calls[0]
 
@@ -97,15 +103,20 @@ def test_compile_solver_plans_compile_whole_and_recompute_inside(
     eager = copy.deepcopy(model)
     remat.apply(model, plan)
     assert _breaks(model, inputs) == 0  # as the plain model (HF's Llama without a KV cache too)
-    assert _eager_calls(model, inputs, monkeypatch) == 0
 
+    # One compiled model for the rest: a first step compiles, the second counts the calls that reach
+    # remat's eager runtime (none: every block runs compiled) and gives the gradients.
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager")
+    loss_fn(compiled(**inputs) if isinstance(inputs, dict) else compiled(inputs)).backward()
     for m in (eager, model):
         for p in m.parameters():
             p.grad = None
     loss_fn(eager(**inputs) if isinstance(inputs, dict) else eager(inputs)).backward()
+    calls = _counting_eager_calls(monkeypatch)
     loss_fn(compiled(**inputs) if isinstance(inputs, dict) else compiled(inputs)).backward()
+    assert calls == [0]
+    monkeypatch.undo()
     for (name, a), b in zip(eager.named_parameters(), model.parameters()):
         assert a.grad is not None and b.grad is not None
         assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), name

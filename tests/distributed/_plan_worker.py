@@ -114,6 +114,7 @@ def main() -> int:
         "step_ms": step_ms,
         "baseline_step_ms": plan.baseline_step_ms,
         "applied": applied.describe() if (applied := remat.applied(trained)) else None,
+        "checkpointed": list(applied.checkpointed) if applied else [],
         "unwrapped_fits": unwrapped_fits,
         "mismatch_refused": refused,
         "grads_equal": [_equal(a, b) for a, b in zip(plain_grads, grads)],

@@ -25,10 +25,16 @@ def small_mlp() -> Workload:
 WORKLOADS = {"gpt": small_gpt, "mlp": small_mlp}
 
 
+def peak_gpt() -> Workload:
+    # The step's own peak varies by up to 16 KiB from run to run on CPU (both instruments see it: 240-257
+    # KB on small_gpt, 7% of it); on this 1.4 MB model that is about 1%, well inside the 5% compared.
+    return workload("gpt", n_layers=3, d_model=64, n_heads=2, seq_len=32, batch=4, vocab_size=64)
+
+
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
 @pytest.mark.parametrize("strategy", [None, "full"])
 def test_peak_matches_measure(name: str, strategy: str | None) -> None:
-    w = WORKLOADS[name]()
+    w = peak_gpt() if name == "gpt" else WORKLOADS[name]()
     if strategy is not None:
         remat.apply(w.model, remat.full())
     tl = remat.timeline(w.model, w.inputs, w.loss_fn)

@@ -68,7 +68,8 @@ forward under a checkpoint costs ``ckpt_fwd_ms`` per block plus ``ckpt_call_ms``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import itertools
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from remat.errors import RematError
@@ -148,6 +149,11 @@ class Chain:
     recomputable: tuple[bool, ...] = ()
     grad_bytes: tuple[int, ...] = ()
     joinable: tuple[bool, ...] = ()
+    # Derived in __post_init__: n, and prefix sums over the blocks for segment_bytes.
+    _n: int = field(init=False, repr=False, compare=False)
+    _inside: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _before_last: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _unlinked: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.joinable:
@@ -161,14 +167,22 @@ class Chain:
             object.__setattr__(self, "out_free_bytes", (0,) * len(self.fwd_ms))
         if not self.ckpt_fwd_ms:
             object.__setattr__(self, "ckpt_fwd_ms", tuple(self.fwd_ms))
-        sizes = {f.name: len(getattr(self, f.name)) for f in fields(self) if isinstance(getattr(self, f.name), tuple)}
+        sizes = {f.name: len(v) for f in fields(self) if f.init and isinstance(v := getattr(self, f.name), tuple)}
         if len(set(sizes.values())) != 1 or next(iter(sizes.values())) < 1:
             raise RematError(f"chain: per-block tuples must all have n + 1 >= 1 entries (the head last); got {sizes}")
+        # Prefix sums for segment_bytes, which the simulator and the solvers call for every segment.
+        n = len(self.fwd_ms) - 1
+        inside = [(max(0, int(self.gap_bytes[q])) if q < n else 0) + int(self.pinned_bytes[q]) for q in range(n + 1)]
+        before_last = [int(self.pinned_out_bytes[q]) + int(self.reused_bytes[q]) for q in range(n + 1)]
+        object.__setattr__(self, "_n", n)
+        object.__setattr__(self, "_inside", tuple(itertools.accumulate(inside, initial=0)))
+        object.__setattr__(self, "_before_last", tuple(itertools.accumulate(before_last, initial=0)))
+        object.__setattr__(self, "_unlinked", tuple(itertools.accumulate(map(int, self.unlinked_bytes), initial=0)))
 
     @property
     def n(self) -> int:
         """Number of blocks, the head excluded."""
-        return len(self.fwd_ms) - 1
+        return self._n
 
     def kept_level_bytes(self, k: int) -> int:
         """How much the level rises from block ``k``'s start to the next block's start when ``k`` is kept."""
@@ -177,15 +191,20 @@ class Chain:
     def segment_bytes(self, start: int, stop: int) -> int:
         """What a segment of blocks ``start..stop-1`` holds from its forward to its backward, bytes: its
         output, one RNG state, what the code after it adds, and what stays alive inside it anyway."""
-        held = int(self.x_bytes[stop]) + int(self.ckpt_state_bytes)
-        for q in range(start, stop):
-            # A gap that frees memory in the plain step (a frozen block's input, no longer needed) may
-            # free nothing under a segment, which holds its first block's inputs: count rises only.
-            held += max(0, int(self.gap_bytes[q])) if q < self.n else 0
-            held += int(self.pinned_bytes[q])
-            held += int(self.pinned_out_bytes[q]) + int(self.reused_bytes[q]) if q < stop - 1 else 0
-            held += int(self.unlinked_bytes[q]) if q > start else 0
-        return held
+        # Summed over the blocks: a gap that frees memory in the plain step (a frozen block's input, no
+        # longer needed) may free nothing under a segment, which holds its first block's inputs (count
+        # rises only); what is pinned; what a block's output pins or reuses, for all but the last block;
+        # what is unlinked, for all but the first (prefix sums of __post_init__).
+        return (
+            int(self.x_bytes[stop])
+            + int(self.ckpt_state_bytes)
+            + self._inside[stop]
+            - self._inside[start]
+            + self._before_last[stop - 1]
+            - self._before_last[start]
+            + self._unlinked[stop]
+            - self._unlinked[start + 1]
+        )
 
 
 def chain_of(profile: Profile) -> Chain:

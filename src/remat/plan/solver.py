@@ -375,10 +375,13 @@ class _Table:
         return range(s + 1, t + 1) if self.nested else range(s + 1, s + 2)
 
 
-def _shift(row: _FloatArray, units: int) -> _FloatArray:
-    """``out[m] = row[m - units]``: inf below 0, clamped to the top entry above the table."""
+def _shift(row: _FloatArray, units: int, out: _FloatArray) -> _FloatArray:
+    """``out[m] = row[m - units]``: inf below 0, clamped to the top entry above the table. Returns ``out``.
+
+    The fill calls this some n**3 times on rows of thousands of entries: writing into a buffer it
+    reuses, not a new array, keeps the allocator (and the page faults of fresh large blocks) out of it.
+    """
     size = row.shape[0]
-    out = np.empty_like(row)
     if units >= 0:
         d = min(units, size)
         out[:d] = _INF
@@ -432,6 +435,7 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
     nosave_bytes = np.zeros((n + 1, n + 1), dtype=np.int64)
     table = _Table(n, size, opt, shifted, rest_units, inner_units, kept, nested, u, slack, after, nosave_bytes)
     scratch = np.empty((n + 1, size))
+    best, cand, least = np.empty(size), np.empty(size), np.empty(size)  # reused rows (see _shift)
     columns = np.arange(size)
     for t in range(n + 1):
         for s in range(t, -1, -1):
@@ -443,11 +447,11 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
                     lo = min(max(0, last_ok), size)
                     np.minimum(row[lo:], fb, out=row[lo:])
             else:
-                best = np.full(size, _INF)
+                best.fill(_INF)
                 for way in kept[s]:
                     if not _allowed(way[0], s, t, n):
                         continue
-                    cand = _shift(opt[s + 1, t], way[1]) + way[5]
+                    np.add(_shift(opt[s + 1, t], way[1], cand), way[5], out=cand)
                     cand[: max(0, min(table.keep_ok(s, t, way), size))] = _INF
                     np.minimum(best, cand, out=best)
                 hi = t + 1 if nested else s + 2
@@ -460,11 +464,11 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
                     lim = int(min(size, max(0, int(need.max()))))
                     if lim:
                         np.copyto(buf[:, :lim], _INF, where=columns[None, :lim] < need[:, None])
-                np.minimum(best, buf.min(axis=0), out=row)
+                np.minimum(best, buf.min(axis=0, out=least), out=row)
             # W[t, s] = opt(s, t, m - rest_units[s]), used by (s', t) with s' < s as "the rest after
             # checkpointing s'..s-1".
             if s > 0:
-                shifted[t, s] = _shift(row, rest_units[s])
+                _shift(row, rest_units[s], shifted[t, s])
         if t < n:
             # W[s, t+1] = sum(f[s..t]) + opt(s, t, m - inner_units[t+1]) where the no-save forward of
             # s..t fits, used by (s, t') with t' > t as "checkpoint s..t, recompute it under plan(s, t)".
@@ -481,9 +485,9 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
                     later = max(later, int(chain.fwd_peak_bytes[s + 1]) + int(chain.x_bytes[s + 1]))
                 nosave = int(max(int(chain.fwd_peak_bytes[s]), later)) + int(chain.ckpt_state_bytes)
                 nosave_bytes[s, t + 1] = nosave
-                w = _shift(opt[s, t], inner_units[t + 1]) + (fsum + float(chain.ckpt_call_ms))
+                w = _shift(opt[s, t], inner_units[t + 1], shifted[s, t + 1])
+                np.add(w, fsum + float(chain.ckpt_call_ms), out=w)
                 w[: max(0, min(_ceil_div(nosave - slack[s], u), size))] = _INF
-                shifted[s, t + 1] = w
     return table
 
 
