@@ -128,3 +128,16 @@ def test_bad_calls_are_refused() -> None:
     remat.remove(w.model)
     with pytest.raises(RematError, match=r"budget: share '150%' is outside"):
         remat.plan_compiled(w.model, w.inputs, w.loss_fn, "150%")
+
+
+def test_a_compile_that_fails_leaves_the_model_without_a_plan() -> None:
+    w = _gpt()
+
+    def fails_when_planned(m: nn.Module) -> nn.Module:
+        if remat.applied(m) is not None:
+            raise RuntimeError("backend failed")
+        return m
+
+    with pytest.raises(RuntimeError, match="backend failed"):
+        remat.plan_compiled(w.model, w.inputs, w.loss_fn, "60%", compile_fn=fails_when_planned, repeats=1)
+    assert remat.applied(w.model) is None

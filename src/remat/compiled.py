@@ -59,7 +59,8 @@ class CompiledPlan:
 
     Attributes:
         plan: The plan now applied to the model (``remat.remove(model)`` takes it off).
-        model: The compiled model (what ``compile_fn`` returned for the planned model), already compiled.
+        model: What ``compile_fn`` returned for the planned model (``torch.compile`` compiles it again at its
+            first call: the measured attempt's graphs were reset by the attempts after it).
         budget_bytes: The budget in bytes; a share was taken of ``plain_peak_bytes``.
         peak_bytes: The compiled planned step's measured peak, at most ``budget_bytes``.
         plain_peak_bytes: The compiled step's measured peak without a plan.
@@ -171,8 +172,10 @@ def plan_compiled(
         if any(a.plan == chosen.describe() for a in attempts):
             break  # measured already: the targets have met
         apply(model, chosen)
-        peak = peak_of(_compile(model, compile_fn))
-        remove(model)
+        try:
+            peak = peak_of(_compile(model, compile_fn))
+        finally:
+            remove(model)  # a compile or a step that fails leaves the model as it came
         attempt = Attempt(
             target,
             chosen.describe(),
