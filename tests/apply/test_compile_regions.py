@@ -12,6 +12,7 @@ without inductor's code generation, tens of seconds per model on a cold cache);
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -20,8 +21,9 @@ import torch
 from torch import nn
 
 import remat
-from remat.core.ops import Recompute, RecomputeSub
+from remat.core.ops import Keep, Recompute, RecomputeOps, RecomputeSub
 from remat.models import workload
+from remat.profile.ops import profile_ops
 
 
 def _breaks(model: nn.Module, inputs: Any) -> int:
@@ -140,3 +142,44 @@ def test_segments_of_several_modules_run_eagerly_under_compile(monkeypatch: pyte
     assert _eager_calls(model, inputs, monkeypatch) > 0
     remat.apply(model, remat.plan(model, strategy=remat.full()))
     assert _eager_calls(model, inputs, monkeypatch) == 0
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
+def test_op_level_policies_run_eagerly_under_compile_and_train_like_the_plain_model(
+    dropout: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Block 0 keeps its matmuls' outputs and recomputes the rest (RecomputeOps). Dynamo cannot take
+    # the policy's per-call op counters as a constant, and the region may hold in-place ops (dropout's
+    # bernoulli_, which the policy's keys do not name): the policy block runs through remat's eager
+    # runtime (NOTE [ Under torch.compile ]), and the compiled model trains like the plain one.
+    w = workload("gpt", n_layers=3, d_model=64, n_heads=2, seq_len=64, batch=4, vocab_size=128, dropout=dropout)
+    blocks = remat.blocks(w.model)
+    first = profile_ops(w.model, w.inputs, w.loss_fn, blocks, rounds=1)[0]
+    save = tuple(o.key for o in first.ops if o.name == "addmm")
+    recompute = tuple(o.key for o in first.ops if o.saved_bytes and o.key not in save)
+    # Block 0 under the policy, the others recomputed whole, each alone (which compiles).
+    ops = (RecomputeOps(0, save, recompute), *(Recompute(k, k + 1, (Keep(k),)) for k in range(1, len(blocks))))
+    plan = dataclasses.replace(remat.plan(w.model, strategy=remat.none()), ops=ops)
+    eager = copy.deepcopy(w.model)
+    remat.apply(w.model, plan)
+    # Only the policy block runs eagerly (a policy traced by dynamo once sent the whole forward to eager).
+    torch._dynamo.utils.counters.clear()
+    assert _eager_calls(w.model, w.inputs, monkeypatch) == 1
+    # One graph break, the intended one around the policy block: dynamo never tries to trace the policy
+    # (it failed on its per-call counters inside the block and skipped the model's whole forward frame;
+    # explain() does not count that one).
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    assert len(breaks) == 1 and "torch.compiler.disable" in next(iter(breaks)), dict(breaks)
+    if dropout:
+        return  # compiled and eager dropout draw different masks
+    torch._dynamo.reset()
+    compiled = torch.compile(w.model, backend="aot_eager")
+    for m in (eager, w.model):
+        for p in m.parameters():
+            p.grad = None
+    w.loss_fn(eager(w.inputs)).backward()
+    w.loss_fn(compiled(w.inputs)).backward()
+    for (name, a), b in zip(eager.named_parameters(), w.model.parameters()):
+        assert a.grad is not None and b.grad is not None
+        assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), name
+    torch._dynamo.reset()

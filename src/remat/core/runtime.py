@@ -682,16 +682,18 @@ class _Dispatch:
 # NOTE [ Under torch.compile ]
 # remat's recording and replay are Python around autograd, which dynamo cannot trace. Where a plan's
 # operation is exactly what torch's own checkpoint does, a single module recomputed alone (a
-# one-module ``Recompute(k, k + 1)``, not nested in another span) or kept under an op-level policy
-# (``RecomputeOps``), dynamo traces ``torch.utils.checkpoint`` instead: one region, no graph break,
-# compiled inside, and the compiler's partitioner recomputes what the region saved (RNG state
-# preserved; BatchNorm's running statistics are functionalised and updated once). An op-level
-# policy's op keys name eager ops; the compiled graph's ops may differ, and ops it does not match are
-# recomputed (correct; it may then hold less and run longer than predicted). Segments of several
-# modules and nested plans run eagerly through ``_dispatch`` below (a graph break around each member).
+# one-module ``Recompute(k, k + 1)``, not nested in another span), dynamo traces
+# ``torch.utils.checkpoint`` instead: one region, no graph break, compiled inside, and the compiler's
+# partitioner recomputes what the region saved (RNG state preserved; BatchNorm's running statistics
+# are functionalised and updated once). Segments of several modules, nested plans and op-level
+# policies (``RecomputeOps``) run eagerly through ``_dispatch`` below (a graph break around each
+# member). Op-level policies do not compile: dynamo takes a checkpoint's context_fn as a constant,
+# which the policy's per-call op counters are not (traced, the block broke the graph inside and sent
+# the whole model's forward back to eager), and torch warns that a selective checkpoint region under
+# compile must not hold in-place ops (dropout's bernoulli_), which a plan's op keys do not all name.
 def _compilable(role: _Role) -> bool:
     if role.policy is not None:
-        return not role.spans
+        return False
     return len(role.spans) == 1 and role.spans[0][0].size == 1
 
 
@@ -699,8 +701,6 @@ def _compiled(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: dic
     forward = _original(module, role)
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    if role.policy is not None:
-        return run_selective(forward, args, kwargs, role.policy)
     call = functools.partial(forward, **kwargs) if kwargs else forward
     return torch.utils.checkpoint.checkpoint(call, *args, use_reentrant=False, preserve_rng_state=True)
 
