@@ -9,6 +9,7 @@ against exact figures without a compile.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -141,3 +142,33 @@ def test_a_compile_that_fails_leaves_the_model_without_a_plan() -> None:
     with pytest.raises(RuntimeError, match="backend failed"):
         remat.plan_compiled(w.model, w.inputs, w.loss_fn, "60%", compile_fn=fails_when_planned, repeats=1)
     assert remat.applied(w.model) is None
+
+
+def test_a_raised_target_whose_plan_measures_far_over_ends_the_search_with_the_plan_that_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Scripted compiled peaks: the first plan fits with 20% to spare (so the target is raised by that
+    # room), the next measures 3x the budget (so the lowered target falls below zero). The search stops
+    # there and keeps the first plan instead of planning for a negative budget.
+    import remat.compiled as compiled_module
+
+    w = _gpt()
+    real = compiled_module.measure
+    peaks: list[int] = []
+
+    def scripted(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        m = real(model, *args, **kwargs)
+        if not peaks:
+            peaks.append(m.peak_bytes)  # the plain step: a share is taken of it
+            return m
+        budget = int(0.6 * peaks[0])
+        peaks.append(int(0.8 * budget) if len(peaks) == 1 else 3 * budget)
+        return dataclasses.replace(m, peak_bytes=peaks[-1])
+
+    monkeypatch.setattr(compiled_module, "measure", scripted)
+    result = remat.plan_compiled(w.model, w.inputs, w.loss_fn, "60%", compile_fn=lambda m: m, repeats=1)
+    first, second = result.attempts
+    assert second.target_bytes == first.target_bytes + (result.budget_bytes - first.peak_bytes)
+    assert second.peak_bytes == 3 * result.budget_bytes
+    assert result.plan.describe() == first.plan and result.peak_bytes == first.peak_bytes
+    assert remat.applied(w.model) == result.plan

@@ -4,8 +4,9 @@ The planner predicts peaks from eager measurements. Under torch.compile the back
 recomputation of each checkpoint itself and fuses what it keeps, so a plan's compiled peak is not its
 eager one: on a 4-layer Llama a plan made for 40% peaked at 1.19x its budget compiled (NOTE [ Under
 torch.compile ] in ``remat.core.runtime``). :func:`plan_compiled` closes the loop: it plans with the
-``compile`` solver (every checkpoint compiles), compiles, measures the compiled step and, while the
-measured peak is over the budget, plans again for a budget lowered by the excess.
+``compile`` solver (every checkpoint compiles), compiles, measures the compiled step and plans again
+for a target lowered by the excess (a plan over the budget) or raised by the room left (a plan well
+under it), keeping the fastest plan that fits (NOTE [ Planning for the compiled step ]).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class Attempt:
     """One plan tried under torch.compile.
 
     Attributes:
-        target_bytes: The budget the plan was made for (the user's, or lower after an attempt over it).
+        target_bytes: The budget the plan was made for: the user's first, then lowered or raised by what the
+            attempt before it measured.
         plan: What the plan does (``Plan.describe()``).
         predicted_peak_bytes: The plan's eager peak as predicted from the profile.
         predicted_extra_ms: The plan's recomputation time per step as predicted from the profile.
@@ -160,9 +162,14 @@ def plan_compiled(
     attempts: list[Attempt] = []
     best: tuple[Plan, Attempt] | None = None
     target = budget_bytes
+    why = f"{tries} plan(s) tried; raise tries=, the budget, or lower the batch size"
     for _ in range(tries):
+        if target <= 0:  # lowered below anything (a raised target whose plan measured far over)
+            why = f"the lowered target {target} bytes leaves no room; raise the budget or lower the batch size"
+            break
         try:
-            chosen = plan(prof, target, solver="compile")
+            # A Budget, not an int: a few bytes are a target here, not a forgotten percent sign.
+            chosen = plan(prof, Budget(bytes=target), solver="compile")
         except BudgetInfeasibleError as err:
             if not attempts:
                 raise
@@ -170,6 +177,7 @@ def plan_compiled(
                 break
             raise _over(budget_bytes, attempts, f"no plan fits the lowered target: {err}") from None
         if any(a.plan == chosen.describe() for a in attempts):
+            why = f"the target led back to a plan measured already ({chosen.describe()}); raise the budget"
             break  # measured already: the targets have met
         apply(model, chosen)
         try:
@@ -193,14 +201,15 @@ def plan_compiled(
             break
         target += budget_bytes - peak
     if best is None:
-        raise _over(
-            budget_bytes, attempts, f"{len(attempts)} plan(s) tried; raise tries=, the budget, or lower the batch size"
-        )
+        raise _over(budget_bytes, attempts, why)
     chosen, attempt = best
     apply(model, chosen)
-    return CompiledPlan(
-        chosen, _compile(model, compile_fn), budget_bytes, attempt.peak_bytes, plain_peak, tuple(attempts)
-    )
+    try:
+        compiled = _compile(model, compile_fn)
+    except BaseException:
+        remove(model)
+        raise
+    return CompiledPlan(chosen, compiled, budget_bytes, attempt.peak_bytes, plain_peak, tuple(attempts))
 
 
 # NOTE [ Planning for the compiled step ]

@@ -546,8 +546,9 @@ def solve(
         sub_costs: Optional ways to keep a block with sub-modules checkpointed inside it (as for
             :func:`simulate`); the solver then also chooses ``RecomputeSub`` (NOTE [ Keep variants ]).
         top_level_variants: Allow sub-module variants only where a block is kept at the top level of
-            the plan, not inside a segment (op-level policies always are): with ``nested=False`` the plan
-            is then one that torch.compile traces without graph breaks (NOTE [ Under torch.compile ]).
+            the plan, not inside a segment (op-level policies always are): with ``nested=False`` and no
+            op-level costs the plan is then one that torch.compile traces without graph breaks (op-level
+            policies run eagerly under it: NOTE [ Under torch.compile ]).
 
     Returns:
         The plan with the least simulated ``total_ms`` among those the rounding lets through (with
