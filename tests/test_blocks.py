@@ -150,6 +150,53 @@ def test_leaf_runs_are_blocks_only_in_a_sequential() -> None:
     assert names(remat.blocks(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)))) == ["0", "1", "2"]
 
 
+def test_parametrized_layers_are_still_one_stack() -> None:
+    # weight_norm gives every parametrized Linear a class of its own (ParametrizedLinear): the layers
+    # holding them are still repeated layers, and apply checkpoints them (they run twice).
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.utils.parametrizations.weight_norm(nn.Linear(8, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.fc(x))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Layer() for _ in range(4)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = Net()
+    assert names(remat.blocks(model)) == [f"layers.{i}" for i in range(4)]
+    x = torch.randn(3, 8, requires_grad=True)
+    assert remat.check_gradients(model, remat.full(), x, lambda out: out.square().sum()).equal
+    remat.apply(model, remat.full())
+    counts = remat.measure(model, x, lambda out: out.square().sum(), steps=1).forward_counts
+    assert counts == {f"layers.{i}": 2 for i in range(4)}
+
+
+def test_a_module_list_is_never_a_block() -> None:
+    # No repeated layers (GRU and RNN alternate): the fallback takes the root's children, and a
+    # ModuleList among them (no forward of its own, it never runs) is replaced by its modules.
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.GRU(4, 4) if i % 2 else nn.RNN(4, 4) for i in range(4)])
+            self.head = nn.Linear(4, 4)
+
+    model = Mixed()
+    assert names(remat.blocks(model)) == ["layers.0", "layers.1", "layers.2", "layers.3", "head"]
+    with pytest.raises(BlockSelectionError, match=r"'layers' is a ModuleList.*include='layers\.\*'"):
+        remat.blocks(model, include="layers")
+    with pytest.raises(BlockSelectionError, match="'layers' is a ModuleList"):
+        remat.blocks(model, named=[["layers"], ["head"]])
+
+
 def test_default_needs_something_to_choose() -> None:
     with pytest.raises(BlockSelectionError, match="no repeated children"):
         remat.blocks(nn.Linear(2, 2))

@@ -89,6 +89,7 @@ def check_gradients(
     exact: bool | None = None,
     profile: Profile | None = None,
     atol: float = 1e-6,
+    allow_stateful: bool = False,
 ) -> GradientCheck:
     """Compare every parameter and input gradient of the plain model with the checkpointed one.
 
@@ -103,10 +104,17 @@ def check_gradients(
         exact: Bitwise comparison (default: on CPU yes, on CUDA no, where kernels may differ run to run).
         profile: For strategies that need sizes.
         atol: Tolerance when not exact.
+        allow_stateful: Passed to :func:`apply`: recompute blocks that update buffers, restoring them.
 
     Returns:
         The :class:`~remat.measure.GradientCheck`.
     """
     return check_plan(
-        model, _as_plan("check_gradients", plan, model, None, profile), inputs, loss_fn, exact=exact, atol=atol
+        model,
+        _as_plan("check_gradients", plan, model, None, profile),
+        inputs,
+        loss_fn,
+        exact=exact,
+        atol=atol,
+        allow_stateful=allow_stateful,
     )

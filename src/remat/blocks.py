@@ -487,6 +487,14 @@ def _infer(
 def _make(model: nn.Module, groups: Sequence[tuple[str, ...]]) -> tuple[Block, ...]:
     anatomy = _Anatomy()
     out = []
+    for fqns in groups:
+        for fqn in fqns:
+            if isinstance(model.get_submodule(fqn), _CONTAINERS):
+                kind = type(model.get_submodule(fqn)).__name__
+                raise BlockSelectionError(
+                    f"blocks: {fqn!r} is a {kind}, which has no forward of its own (the model calls the modules "
+                    f"in it), so as a block it would never run; choose its modules, e.g. include='{fqn}.*'"
+                )
     for i, fqns in enumerate(groups):
         hint, attn, ffn = _infer(model, fqns, anatomy)
         members = [model.get_submodule(f) for f in fqns]
@@ -511,10 +519,19 @@ def _make(model: nn.Module, groups: Sequence[tuple[str, ...]]) -> tuple[Block, .
     return tuple(out)
 
 
+def _class(module: nn.Module) -> type:
+    # torch.nn.utils.parametrize gives every parametrized module a class of its own
+    # (ParametrizedLinear, one per instance); its layers are still of the class it was made from.
+    cls = type(module)
+    if getattr(module, "parametrizations", None) is not None and cls.__name__.startswith("Parametrized"):
+        return cls.__bases__[0]
+    return cls
+
+
 def _run_key(module: nn.Module) -> tuple[type, frozenset[type]]:
     # Same class and the same kinds of children: ResNet stages (Sequentials of blocks) match each
     # other but not the stem (a Sequential of conv, norm, activation).
-    return type(module), frozenset(type(c) for c in module.children())
+    return _class(module), frozenset(_class(c) for c in module.children())
 
 
 def _param_count(modules: Sequence[nn.Module]) -> int:
@@ -646,13 +663,22 @@ def _default_groups(model: nn.Module) -> list[tuple[str, ...]]:
     found = _Stacks(model).cover(model, "") or _best_run(model)
     if found:
         return [(f,) for f in found]
-    roots = [n for n, _ in model.named_children()]
+    roots = _callable_children(model, "")
     if len(roots) >= 2:
         return [(n,) for n in roots]
     raise BlockSelectionError(
         f"blocks: found no repeated children in {type(model).__name__} to use as blocks; "
         "choose them with include='layers.*', types=..., filter=... or named=[[...]]"
     )
+
+
+def _callable_children(module: nn.Module, prefix: str) -> list[str]:
+    # The children of a module, with a ModuleList / ModuleDict (no forward of its own) replaced by its own.
+    out: list[str] = []
+    for name, child in module.named_children():
+        fqn = _join(prefix, name)
+        out += _callable_children(child, fqn) if isinstance(child, _CONTAINERS) else [fqn]
+    return out
 
 
 def _suggest(model: nn.Module, fqn: str) -> str:

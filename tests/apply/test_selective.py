@@ -205,3 +205,64 @@ def test_a_policy_on_a_block_that_updates_buffers_is_refused_before_the_backward
         model(torch.randn(4, 8))
     bn = model[0][1]
     assert isinstance(bn, nn.BatchNorm1d) and int(bn.num_batches_tracked) == 1  # updated once, as plainly
+
+
+class _OwnGenerator(nn.Module):
+    """Draws its mask from a generator of its own, which torch's selective checkpoint does not restore."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.generator = torch.Generator().manual_seed(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x)) * torch.bernoulli(torch.full_like(x, 0.5), generator=self.generator)
+
+
+def test_a_block_with_its_own_generator_gets_no_policy_and_a_forced_one_is_refused() -> None:
+    from remat.core.ops import Keep, RecomputeOps
+    from remat.plan.types import Plan
+    from remat.profile.ops import EXTERNAL
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_OwnGenerator(), _OwnGenerator(), nn.Linear(8, 1))
+    x = torch.randn(16, 8)
+    before = model[0].generator.get_state()
+    prof = remat.profile(model, x, lambda y: y.sum(), repeats=1)
+    assert torch.equal(model[0].generator.get_state(), before)  # the profile puts it back too
+    # Its bernoulli writes state the block did not allocate, so the profile offers no policy for it
+    # (no selective timing), and the optimal plan never keeps it under one.
+    assert all(any(EXTERNAL in op.writes for op in ops.ops if op.name == "bernoulli") for ops in prof.block_ops[:2])
+    assert [b.selective_ms for b in prof.block_profiles[:2]] == [None, None]
+    assert all(not isinstance(op, RecomputeOps) for op in remat.plan(prof, "1GiB").ops)
+    assert [b.generator_state_bytes for b in prof.block_profiles] == [5056, 5056]  # a CPU generator state
+    # A policy forced by hand: refused on its first forward, with the generator put back.
+    plan = Plan(strategy="by hand", blocks=prof.blocks, ops=(RecomputeOps(0, ()), Keep(1)))
+    remat.apply(model, plan)
+    state = model[0].generator.get_state()
+    with pytest.raises(RematError, match="generator of its own.*op-level policy"):
+        model(x)
+    assert torch.equal(model[0].generator.get_state(), state)
+
+
+def test_a_plan_of_policies_measures_what_it_predicts() -> None:
+    # Every block under the policy of its menu that frees the most: the checkpoint's RNG state (5 KiB a
+    # block, charged by op_costs) is part of the prediction, so the measured peak is not above it.
+    from remat.core.ops import RecomputeOps
+    from remat.plan.planner import plan_from_ops, variant_costs
+
+    from ..zoo.models import ZOO
+
+    case = ZOO["chain"]()
+    prof = remat.profile(case.model, case.inputs, case.loss_fn, repeats=1)
+    best: dict[int, tuple[int, RecomputeOps]] = {}
+    for (k, op), (freed, _) in variant_costs(prof, subs=False).items():
+        if isinstance(op, RecomputeOps) and freed > best.get(k, (-1, op))[0]:
+            best[k] = (freed, op)
+    assert sorted(best) == list(range(len(prof.blocks)))
+    plan = plan_from_ops(prof, tuple(op for _, (_, op) in sorted(best.items())), "every block under a policy")
+    remat.apply(case.model, plan)
+    measured = remat.measure(case.model, case.inputs, case.loss_fn, steps=1).peak_bytes
+    remat.remove(case.model)
+    assert plan.predicted_peak_bytes is not None
+    assert 0.97 <= measured / plan.predicted_peak_bytes <= 1.005, (plan.describe(), measured, plan.predicted_peak_bytes)

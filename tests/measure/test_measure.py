@@ -78,3 +78,38 @@ def test_check_gradients_detects_a_recomputation_that_differs() -> None:
     result = remat.check_gradients(model, remat.selective([0]), x, lambda y: y.sum())
     assert not result.equal and result.exact
     assert "param:0.lin.weight" in result.mismatched and result.max_abs_diff > 0
+
+
+def test_check_gradients_compares_sparse_gradients() -> None:
+    # nn.Embedding(sparse=True) gives sparse gradients, which have no max(): compared dense, and a
+    # changed row is still seen.
+    class Bag(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 4, sparse=True)
+            self.layers = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh())
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.layers(self.embed(ids))
+
+    model, ids = Bag(), torch.tensor([[1, 2, 3], [3, 4, 9]])
+    assert model.embed.weight.grad is None
+    result = remat.check_gradients(model, remat.full(), ids, lambda y: y.square().sum())
+    assert result.equal and result.compared == 6  # the loss and five parameters
+    from remat.measure import _compare_grads
+
+    grad = torch.sparse_coo_tensor([[1, 3]], torch.ones(2, 4), (10, 4), check_invariants=True)
+    other = torch.sparse_coo_tensor([[1, 4]], torch.ones(2, 4), (10, 4), check_invariants=True)
+    assert _compare_grads({"g": grad}, {"g": grad.clone()}, exact=True, atol=0).equal
+    changed = _compare_grads({"g": grad}, {"g": other}, exact=True, atol=0)
+    assert changed.mismatched == ("g",) and changed.max_abs_diff == 1.0
+
+
+def test_check_gradients_of_a_stateful_model_with_allow_stateful() -> None:
+    from ..zoo.models import ZOO
+
+    case = ZOO["stateful_buffer"]()
+    with pytest.raises(RematError, match="allow_stateful=True"):
+        remat.check_gradients(case.model, remat.full(), case.inputs, case.loss_fn)
+    result = remat.check_gradients(case.model, remat.full(), case.inputs, case.loss_fn, allow_stateful=True)
+    assert result.equal and result.exact

@@ -104,3 +104,86 @@ def test_blocks_must_run_once_each_in_order() -> None:
         remat.profile(model, x, lambda y: y.sum(), repeats=0)
     with pytest.raises(RematError, match="loss_fn returned a tensor of shape \\(2, 4\\)"):
         remat.profile(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), x, lambda y: y, repeats=1)
+
+
+class _EditsItsInput(nn.Module):
+    """Scales its input in place before its Linear (a recomputation would scale it twice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(1.01)
+        return self.fc(x)
+
+
+class _JitterMLP(nn.Module):
+    """Mixtral's router jitter in miniature: the MLP scales its input in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h *= 1.01
+        return self.down(self.act(self.up(h)))
+
+
+class _JitterLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.mlp = _JitterMLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x, x, x, need_weights=False)[0]
+        return x + self.mlp(x.clone())
+
+
+@pytest.mark.parametrize("layer", [_EditsItsInput, _JitterLayer])
+def test_what_edits_its_input_in_place_is_never_recomputed(layer: type[nn.Module]) -> None:
+    # apply refuses to recompute a module that edits its argument in place; the profile sees it, so the
+    # planner keeps such a block (and offers no sub-module variant for such a sub-module), and every
+    # budget it can meet runs exactly, never refused.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer() for _ in range(4)])
+    x = torch.randn(4, 8, 16)
+    prof = remat.profile(model, x, lambda y: y.square().mean(), repeats=1)
+    block_edits = layer is _EditsItsInput
+    assert [bp.edits_input for bp in prof.block_profiles] == [block_edits] * 4
+    subs = [s.fqn for bp in prof.block_profiles for s in bp.subs]
+    assert not any(f.endswith("mlp") for f in subs) and (block_edits or len(subs) == 4)
+    assert chain_of(prof).recomputable[:4] == (not block_edits,) * 4
+    for budget in ("40%", "70%", "90%"):
+        try:
+            plan = remat.plan(prof, budget)
+        except remat.BudgetInfeasibleError:
+            continue
+        assert remat.check_gradients(model, plan, x, lambda y: y.square().mean()).equal, plan.describe()
+
+
+def test_flops_are_flop_counters_and_a_reversible_model_profiles() -> None:
+    # FLOPs come from torch.utils.flop_counter's formulas, without FlopCounterMode's module tracker,
+    # whose hooks fail on transformers' Reformer (layers run inside a custom autograd Function).
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import ReformerConfig, ReformerModelWithLMHead
+
+    config = ReformerConfig(
+        vocab_size=64, hidden_size=32, num_attention_heads=2, attention_head_size=16, feed_forward_size=64,
+        attn_layers=["local", "local"], axial_pos_embds=False, max_position_embeddings=16,
+        local_attn_chunk_length=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        local_attention_probs_dropout_prob=0.0, is_decoder=True, use_cache=False, pad_token_id=0, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = ReformerModelWithLMHead(config)
+    ids = torch.randint(3, 64, (2, 16))
+    inputs = {"input_ids": ids, "labels": ids}
+    prof = remat.profile(model, inputs, lambda out: out.loss, repeats=1)
+    assert len(prof.block_profiles) == 2 and all(bp.fwd_flops > 0 for bp in prof.block_profiles)
+    w = remat.models.workload("mlp")
+    prof = remat.profile(w.model, w.inputs, w.loss_fn, repeats=1, ops=False)
+    with FlopCounterMode(display=False) as counter:
+        w.loss_fn(w.model(w.inputs)).backward()
+    total = sum(bp.fwd_flops + bp.bwd_flops for bp in prof.block_profiles)
+    assert 0 < total <= counter.get_total_flops()

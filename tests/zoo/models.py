@@ -567,6 +567,57 @@ def dropout_between() -> Case:
     return _mse_case(DropoutBetween(), N, D)
 
 
+class TanhBlock(nn.Module):
+    """``fc(tanh(x))``: saves tanh's output, not its input."""
+
+    def __init__(self, d: int = D) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.tanh(x))
+
+
+class DerivedInputs(Stack):
+    """Keeps every block's output and feeds the next block ``2 * output``, a tensor made between blocks
+    that the block does not save: the plain step frees it after the block, a segment holds it."""
+
+    def __init__(self, n: int = L) -> None:
+        super().__init__([TanhBlock() for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for layer in self.layers:
+            y = layer(x)
+            outs.append(y)
+            x = y * 2
+        return self.head(x) + sum(outs)
+
+
+@_zoo
+def derived_inputs() -> Case:
+    """Hidden states kept and each next input derived from them (``x = 2 * y``) between blocks."""
+    return _mse_case(DerivedInputs(), N, D)
+
+
+class GeneratorBlock(MLPBlock):
+    """An MLP block whose input mask comes from a ``torch.Generator`` of its own, not the default one."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.bernoulli(torch.full_like(x, 0.9), generator=self.generator)
+        return super().forward(x * mask)
+
+
+@_zoo
+def own_generator() -> Case:
+    """Blocks drawing from generators of their own (a replay must draw the same numbers)."""
+    return _mse_case(Stack([GeneratorBlock(seed) for seed in range(L)]), N, D)
+
+
 # ----------------------------------------------------------------------------------------------------
 # One step and its comparison
 

@@ -90,6 +90,7 @@ class Probe:
         # their versions) and the storages that existed before the previous block started.
         self.linked = [True] * n
         self.unlinked = [0] * n  # bytes of the inputs that made a block not linked
+        self._unlinked_storages: list[dict[int, int]] = [{} for _ in range(n)]  # their storages: ptr -> bytes
         self._prev_outs: list[tuple[weakref.ref[torch.Tensor], int]] = []
         self._prev_inputs: set[int] = set()
         self._seen: set[int] = set()
@@ -98,6 +99,9 @@ class Probe:
         self.stateful: list[tuple[str, ...]] = [()] * n
         self._buffers_before: dict[int, dict[str, tuple[torch.Tensor, int, torch.Tensor]]] = {}
         self._active: list[int] = []
+        # Blocks and sub-modules that edit a tensor argument in place (a recomputation would edit it again).
+        self.edits_input = [False] * (n + m)
+        self._arg_versions: dict[int, list[tuple[torch.Tensor, int]]] = {}
         self._fired: set[tuple[Event, int]] = set()
         self.handles: list[Any] = []
         self.tensor_handles: list[Any] = []  # hooks on the step's tensors (inputs may outlive the step)
@@ -116,6 +120,9 @@ class Probe:
             self._active.append(slot)
             if self.track:
                 self.inputs[slot].update(storages((args, kwargs), self.params))
+                self._arg_versions[slot] = [
+                    (t, t._version) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                ]
             if kind is Event.FORWARD:
                 self.calls[index] += 1
                 self.order.append(index)
@@ -131,6 +138,8 @@ class Probe:
         def hook(_mod: nn.Module, _args: Any, _kwargs: Any, out: Any) -> None:
             if self.track:
                 self.outputs[slot].update(storages(out, self.params))
+                if any(t._version != v for t, v in self._arg_versions.pop(slot, [])):
+                    self.edits_input[slot] = True
             if self._active and self._active[-1] == slot:
                 self._active.pop()
             if kind is Event.FORWARD_END:
@@ -164,11 +173,21 @@ class Probe:
                 if ptr not in allowed and ptr not in self.params:
                     ok = False
                     self.unlinked[index] += t.untyped_storage().nbytes()
+                    self._unlinked_storages[index][ptr] = t.untyped_storage().nbytes()
         self.linked[index] = ok
         self._seen_before_prev = set(self._seen)
         mine = set(storages((args, kwargs), self.params))
         self._prev_inputs = mine
         self._seen |= mine
+
+    def unsaved_unlinked(self, index: int) -> int:
+        """Bytes of block ``index``'s unlinked inputs that its own forward does not save (tracked runs).
+
+        The plain step may free them right after the block (``x = f(y)`` rebinding ``x``), while a
+        segment starting at the block holds them as its inputs to its backward.
+        """
+        saved = self.saved[index]
+        return sum(size for ptr, size in self._unlinked_storages[index].items() if ptr not in saved)
 
     def _buffer_pre(self, index: int) -> Callable[..., None]:
         def hook(_mod: nn.Module, _args: Any) -> None:
@@ -230,6 +249,7 @@ class Probe:
                 yield self
         finally:
             self._prev_outs = []
+            self._arg_versions.clear()
             self._buffers_before.clear()
             for h in (*self.handles, *self.tensor_handles):
                 h.remove()

@@ -59,6 +59,13 @@ a member *stateful*: ``apply`` refuses to recompute it unless ``allow_stateful=T
 forward keeps in Python attributes is invisible to remat). A member that edits one of its tensor
 arguments in place is refused (its replay would edit it again). On the learning call a refusal puts
 back every buffer, argument and the RNG state first.
+Random draws follow the same scheme. The default generators' states are recorded per call (above);
+a member that draws from a generator of its own (``torch.bernoulli(p, generator=self.g)``) is found
+on the learning call (a dispatch mode sees the op's ``generator`` argument), and from then on each
+call keeps that generator's state too, which its replay sets, putting the generator back to where it
+was afterwards. A generator a member first draws from on a later call than its first is not seen. An
+op-level policy (torch's selective checkpoint restores the default generators only) refuses such a
+member on its first call; the profile offers none for it.
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from remat.core.ops import Keep, Op, Recompute, RecomputeOps, RecomputeSub
@@ -93,6 +101,7 @@ __all__ = [
     "observed",
     "run_function",
     "is_applied_module",
+    "GeneratorWatch",
 ]
 
 Observer = Callable[[nn.Module, bool, bool], None]
@@ -145,10 +154,12 @@ class _Role:
     stateful: frozenset[str] = frozenset()
     norms: frozenset[str] | None = None
     policy: frozenset[str] | None = None  # RecomputeOps: keys of the ops whose outputs are kept
+    generators: tuple[torch.Generator, ...] = ()  # its own generators, learned (NOTE [ State under recomputation ])
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["learned"], state["stateful"], state["norms"] = False, frozenset(), None  # learned again after loading
+        # Learned again after loading.
+        state["learned"], state["stateful"], state["norms"], state["generators"] = False, frozenset(), None, ()
         return state
 
 
@@ -211,9 +222,43 @@ def _snapshot(obj: Any) -> dict[str, Any] | None:
 class _RngState:
     cpu: torch.Tensor
     cuda: dict[int, torch.Tensor] = field(default_factory=dict)
+    # The member's own generators (``torch.bernoulli(p, generator=self.g)``): id -> (generator, state).
+    generators: dict[int, tuple[torch.Generator, torch.Tensor]] = field(default_factory=dict)
+
+    def set(self) -> None:
+        """Put every generator this state covers back to it."""
+        torch.set_rng_state(self.cpu)
+        for dev, st in self.cuda.items():
+            torch.cuda.set_rng_state(st, dev)
+        for gen, st in self.generators.values():
+            gen.set_state(st)
 
 
-def _rng_state(leaves: Sequence[Any]) -> _RngState:
+def _default_generators() -> set[int]:
+    found = {id(torch.default_generator)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        found |= {id(g) for g in torch.cuda.default_generators}
+    return found
+
+
+class GeneratorWatch(TorchDispatchMode):
+    """Finds the generators other than the default ones that ops draw from, with each one's state before
+    its first draw (the learning call of NOTE [ State under recomputation ])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.defaults = _default_generators()
+        self.found: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        gen = kwargs.get("generator")
+        if isinstance(gen, torch.Generator) and id(gen) not in self.defaults and id(gen) not in self.found:
+            self.found[id(gen)] = (gen, gen.get_state())
+        return func(*args, **kwargs)
+
+
+def _rng_state(leaves: Sequence[Any], generators: Sequence[torch.Generator] = ()) -> _RngState:
     cpu = torch.get_rng_state()
     last = _LOCAL.last_rng
     if last is not None and torch.equal(last, cpu):
@@ -226,7 +271,7 @@ def _rng_state(leaves: Sequence[Any]) -> _RngState:
                 index = leaf.device.index if leaf.device.index is not None else torch.cuda.current_device()
                 if index not in cuda:
                     cuda[index] = torch.cuda.get_rng_state(index)
-    return _RngState(cpu, cuda)
+    return _RngState(cpu, cuda, {id(g): (g, g.get_state()) for g in generators})
 
 
 def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
@@ -363,14 +408,15 @@ class _Frame:
         previous_scope = _LOCAL.scope
         _LOCAL.scope = {}  # inner spans record afresh, as in the forward
         cuda_devices = sorted({d for call in self.calls for d in call.rng.cuda})
+        # The members' own generators go back to where they are now after the replay, as fork_rng does for
+        # the default ones.
+        own = {key: (gen, gen.get_state()) for call in self.calls for key, (gen, _) in call.rng.generators.items()}
         try:
             with torch.random.fork_rng(devices=cuda_devices, device_type="cuda" if cuda_devices else "cpu"):
                 last_use = self._last_uses()
                 for index, call in enumerate(self.calls):
                     args, kwargs = self._arguments(call, outs)
-                    torch.set_rng_state(call.rng.cpu)
-                    for dev, st in call.rng.cuda.items():
-                        torch.cuda.set_rng_state(st, dev)
+                    call.rng.set()
                     out = _replay_call(call, args, kwargs)
                     del args, kwargs
                     # Hold a replayed output only while a later call takes it (as the forward did).
@@ -380,6 +426,8 @@ class _Frame:
                         outs[index] = tree_leaves(out)
                     del out
         finally:
+            for gen, st in own.values():
+                gen.set_state(st)
             _LOCAL.scope = previous_scope
 
     def _last_uses(self) -> dict[int, int]:
@@ -577,9 +625,7 @@ class _StateGuard:
                 self.buffers[n].copy_(value)
             for t, value in zip(self.args, self.arg_copies):
                 t.copy_(value)
-        torch.set_rng_state(rng.cpu)
-        for dev, st in rng.cuda.items():
-            torch.cuda.set_rng_state(st, dev)
+        rng.set()
 
 
 def _run(module: nn.Module, role: _Role | None, args: tuple[Any, ...], kwargs: dict[str, Any], replay: bool) -> Any:
@@ -606,7 +652,20 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
     """A block under an op-level policy (NOTE [ Op-level policies ] in ``remat.core.selective``)."""
     assert role.policy is not None
     buffers = [(name, b, b._version) for name, b in module.named_buffers()]
-    out = run_selective(_original(module, role), args, kwargs, role.policy)
+    watch = GeneratorWatch() if not role.learned else contextlib.nullcontext()
+    with watch:
+        out = run_selective(_original(module, role), args, kwargs, role.policy)
+    if isinstance(watch, GeneratorWatch):
+        if watch.found:
+            for gen, st in watch.found.values():
+                gen.set_state(st)
+            raise RematError(
+                f"apply: module {role.name!r} draws random numbers from a generator of its own, which torch's "
+                "selective checkpoint does not restore, so an op-level policy (RecomputeOps) would draw different "
+                "numbers in its recomputation; keep this block or recompute it whole (remat.plan does not offer "
+                "policies for such blocks)"
+            )
+        role.learned = True
     changed = [name for name, b, version in buffers if b._version != version]
     if changed:
         # Its recomputation in the backward would update them a second time: refuse before that happens
@@ -646,8 +705,9 @@ def _invoke(
     if not spans or not torch.is_grad_enabled():
         return _run(module, role, args, kwargs, replay)
     leaves = tree_leaves((args, kwargs))
-    rng = _rng_state(leaves)
+    rng = _rng_state(leaves, role.generators)
     guard = _StateGuard(module, role, leaves)
+    watch = GeneratorWatch() if not role.learned else None
     with contextlib.ExitStack() as stack:
         recorded: list[tuple[_Frame, int]] = []
         frames = [(_frame_for(span, position), k) for k, (span, position) in enumerate(spans)]
@@ -657,8 +717,15 @@ def _invoke(
             calls.append(frame.record(module, role, args, kwargs, rng, {}, spans[k + 1 :]))
             stack.enter_context(frame.packing(calls[-1]))
             recorded.append((frame, calls[-1]))
+        if watch is not None:
+            stack.enter_context(watch)
         out = _run(module, role, args, kwargs, replay)
+    if watch is not None:
+        # The learning call: the generators it drew from, at their states before its first draws.
+        rng.generators.update(watch.found)
     state = guard.check(rng)
+    if watch is not None:
+        role.generators = tuple(gen for gen, _ in watch.found.values())
     for frame, index in recorded:
         frame.calls[index].state = state
         frame.record_output(index, out)

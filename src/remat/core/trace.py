@@ -117,7 +117,8 @@ def train_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Ten
 
 @contextlib.contextmanager
 def preserved(model: nn.Module, inputs: Any = None) -> Iterator[None]:
-    """Run steps inside, then put the model back exactly: gradients, buffers, RNG state, train/eval mode.
+    """Run steps inside, then put the model back exactly: gradients, buffers, RNG state (the default
+    generators, and generators the model's modules hold as attributes), train/eval mode.
 
     Parameters are not touched by a step (no optimizer runs); input tensors' ``.grad`` are restored too.
     """
@@ -130,6 +131,9 @@ def preserved(model: nn.Module, inputs: Any = None) -> Iterator[None]:
     modes = [(m, m.training) for m in model.modules()]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    own = {
+        id(g): (g, g.get_state()) for m in model.modules() for g in vars(m).values() if isinstance(g, torch.Generator)
+    }
     try:
         yield
     finally:
@@ -150,6 +154,8 @@ def preserved(model: nn.Module, inputs: Any = None) -> Iterator[None]:
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+        for g, state in own.values():
+            g.set_state(state)
 
 
 def held_bytes(model: nn.Module, inputs: Any, optimizer: torch.optim.Optimizer | None = None) -> int:
@@ -341,7 +347,11 @@ def live_allocations(
     for name, t in events.marks:
         times.setdefault(name, t)
     if at not in times:
-        raise RematError(f"measure: the profiler lost remat's {at!r} marker; run with no other profiler active")
+        raise RematError(
+            f"measure: the profiler lost remat's {at!r} marker: a block ran on another thread than the one that "
+            "runs the step (the profiler records that thread only; run the blocks on it), or another profiler is "
+            "active (run with none)"
+        )
     live: dict[int, tuple[int, int]] = {}
     for t, ptr, size in events.allocs:
         if t > times[at]:

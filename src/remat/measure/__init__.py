@@ -16,7 +16,7 @@ from remat._progress import progress as show_progress
 from remat.apply import applied, apply, remove
 from remat.blocks import Block, resolve
 from remat.blocks import blocks as find_blocks
-from remat.core.runtime import count_forwards
+from remat.core.runtime import GeneratorWatch, count_forwards
 from remat.core.trace import (
     Grads,
     Loop,
@@ -187,7 +187,15 @@ def _grads(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor]
         leaves = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad]
         for t in leaves:
             t.grad = None
-        loss = train_step(model, inputs, loss_fn)
+        # Generators of the model's own (``torch.bernoulli(p, generator=self.g)``) go back to where they
+        # were, so that both runs draw the same numbers.
+        watch = GeneratorWatch()
+        try:
+            with watch:
+                loss = train_step(model, inputs, loss_fn)
+        finally:
+            for gen, state in watch.found.values():
+                gen.set_state(state)
         out: dict[str, torch.Tensor | None] = {"loss": loss.clone()}
         out.update({f"param:{n}": None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
         out.update({f"input:{i}": None if t.grad is None else t.grad.clone() for i, t in enumerate(leaves)})
@@ -202,6 +210,7 @@ def check_gradients(
     *,
     exact: bool | None = None,
     atol: float = 1e-6,
+    allow_stateful: bool = False,
 ) -> GradientCheck:
     """Compare every parameter and input gradient of the plain model with the checkpointed one.
 
@@ -216,6 +225,8 @@ def check_gradients(
         loss_fn: Maps the model's output to a scalar loss.
         exact: Bitwise comparison (default: on CPU yes, on CUDA no, where kernels may differ run to run).
         atol: Tolerance when not exact.
+        allow_stateful: Passed to ``apply``: recompute blocks that update buffers, restoring them
+            (NOTE [ State under recomputation ]); the plain run's buffer updates are put back first.
 
     Returns:
         The :class:`GradientCheck`.
@@ -233,7 +244,7 @@ def check_gradients(
     before = remove(model)
     try:
         plain = _grads(model, inputs, loss_fn)
-        apply(model, plan)
+        apply(model, plan, allow_stateful=allow_stateful)
         try:
             ckpt = _grads(model, inputs, loss_fn)
         finally:
@@ -254,6 +265,8 @@ def _compare_grads(
             if (a is None) != (b is None):
                 mismatched.append(name)
             continue
+        if a.is_sparse or b.is_sparse:  # nn.Embedding(sparse=True): compare the dense values
+            a, b = a.coalesce().to_dense() if a.is_sparse else a, b.coalesce().to_dense() if b.is_sparse else b
         diff = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
         worst = max(worst, diff)
         same = torch.equal(a, b) if exact else diff <= atol

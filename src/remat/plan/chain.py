@@ -37,10 +37,13 @@ saves nothing, ``pin[k]`` (``pinned_bytes``) and, for its output, ``pout[k]`` (`
 hidden states a model collects), and ``re[k]`` (``reused_bytes``), the part of block k's output that
 a later block other than k+1 takes (a U-Net's skip), held even when k is inside a segment, and
 ``un[k]`` (``unlinked_bytes``), inputs of block k made between blocks (``x + stage(x)``), which a segment
-going on through k holds as they are. A kept block holds ``S'[k] = S[k] + g[k]``; a segment ``a..b-1``
-holds ``H(a, b) = x[b] + c + sum(max(g[q], 0) + pin[q] for q in a..b-1) + sum(pout[q] + re[q] for q in a..b-2)
-+ sum(un[q] for q in a+1..b-1)``
-(``Chain.segment_bytes``).
+going on through k holds as they are, and ``us[k]`` (``unsaved_input_bytes``), the part of them block k
+does not save itself: the plain step may free it in the gap after k (``x = 2 * y`` rebinding ``x``, so
+``g[k]`` nets to nothing), while a segment starting at k holds it as its input, and ``gs[k]``
+(``generator_state_bytes``), the states of generators of the model's own that block k draws from,
+which a segment copies per call. A kept block holds ``S'[k] = S[k] + g[k]``; a segment ``a..b-1`` holds
+``H(a, b) = x[b] + c + us[a] + sum(max(g[q], 0) + pin[q] + gs[q] for q in a..b-1) + sum(pout[q] + re[q]
+for q in a..b-2) + sum(un[q] for q in a+1..b-1)`` (``Chain.segment_bytes``).
 
 Memory is simulated (``remat.plan.simulate``) with a level ``L`` starting at ``base_bytes``:
   forward   Keep(k):            peak L + fp[k];  L += S'[k]
@@ -119,6 +122,10 @@ class Chain:
             U-Net's skip), held even when the block is inside a segment (default 0).
         unlinked_bytes: Bytes of each block's inputs that are neither the previous block's outputs nor
             older tensors (made between blocks), held by a segment that goes on through the block (default 0).
+        unsaved_input_bytes: The part of ``unlinked_bytes`` each block does not save itself, held by a
+            segment that starts at the block (default 0).
+        generator_state_bytes: Bytes of the states of each block's own generators, which a segment
+            keeps per call of the block (default 0).
         joinable: Whether a segment may go on from each block into the next one holding nothing that
             the chain model leaves out (``BlockProfile.chainable`` and the next block linked); the
             solvers put several blocks in one segment only across joinable boundaries (default all ``True``).
@@ -146,6 +153,8 @@ class Chain:
     pinned_out_bytes: tuple[int, ...] = ()
     reused_bytes: tuple[int, ...] = ()
     unlinked_bytes: tuple[int, ...] = ()
+    unsaved_input_bytes: tuple[int, ...] = ()
+    generator_state_bytes: tuple[int, ...] = ()
     recomputable: tuple[bool, ...] = ()
     grad_bytes: tuple[int, ...] = ()
     joinable: tuple[bool, ...] = ()
@@ -158,7 +167,16 @@ class Chain:
     def __post_init__(self) -> None:
         if not self.joinable:
             object.__setattr__(self, "joinable", (True,) * len(self.fwd_ms))
-        for name in ("gap_bytes", "pinned_bytes", "pinned_out_bytes", "reused_bytes", "unlinked_bytes", "grad_bytes"):
+        for name in (
+            "gap_bytes",
+            "pinned_bytes",
+            "pinned_out_bytes",
+            "reused_bytes",
+            "unlinked_bytes",
+            "unsaved_input_bytes",
+            "generator_state_bytes",
+            "grad_bytes",
+        ):
             if not getattr(self, name):
                 object.__setattr__(self, name, (0,) * len(self.fwd_ms))
         if not self.recomputable:
@@ -172,7 +190,12 @@ class Chain:
             raise RematError(f"chain: per-block tuples must all have n + 1 >= 1 entries (the head last); got {sizes}")
         # Prefix sums for segment_bytes, which the simulator and the solvers call for every segment.
         n = len(self.fwd_ms) - 1
-        inside = [(max(0, int(self.gap_bytes[q])) if q < n else 0) + int(self.pinned_bytes[q]) for q in range(n + 1)]
+        inside = [
+            (max(0, int(self.gap_bytes[q])) if q < n else 0)
+            + int(self.pinned_bytes[q])
+            + int(self.generator_state_bytes[q])
+            for q in range(n + 1)
+        ]
         before_last = [int(self.pinned_out_bytes[q]) + int(self.reused_bytes[q]) for q in range(n + 1)]
         object.__setattr__(self, "_n", n)
         object.__setattr__(self, "_inside", tuple(itertools.accumulate(inside, initial=0)))
@@ -194,9 +217,11 @@ class Chain:
         # Summed over the blocks: a gap that frees memory in the plain step (a frozen block's input, no
         # longer needed) may free nothing under a segment, which holds its first block's inputs (count
         # rises only); what is pinned; what a block's output pins or reuses, for all but the last block;
-        # what is unlinked, for all but the first (prefix sums of __post_init__).
+        # what is unlinked, for all but the first, and of the first's unlinked inputs what it does not
+        # save itself (prefix sums of __post_init__).
         return (
             int(self.x_bytes[stop])
+            + int(self.unsaved_input_bytes[start])
             + int(self.ckpt_state_bytes)
             + self._inside[stop]
             - self._inside[start]
@@ -233,7 +258,9 @@ def chain_of(profile: Profile) -> Chain:
         pinned_out_bytes=tuple(b.pinned_out_bytes for b in bps) + (0,),
         reused_bytes=tuple(b.reused_bytes for b in bps) + (0,),
         unlinked_bytes=tuple(b.unlinked_bytes for b in bps) + (0,),
-        recomputable=tuple(not b.stateful for b in bps) + (True,),
+        unsaved_input_bytes=tuple(b.unsaved_input_bytes for b in bps) + (0,),
+        generator_state_bytes=tuple(b.generator_state_bytes for b in bps) + (0,),
+        recomputable=tuple(not b.stateful and not b.edits_input for b in bps) + (True,),
         joinable=tuple(
             i + 1 >= len(bps) or (b.chainable and b.reused_bytes == 0 and bps[i + 1].linked) for i, b in enumerate(bps)
         )

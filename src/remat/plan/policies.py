@@ -361,7 +361,8 @@ def op_costs(profile: Profile) -> dict[tuple[int, RecomputeOps], tuple[int, floa
 
     The extra time is measured (NOTE [ Op-level policy costs ] in ``remat.profile.profiler``): what the
     block cost beyond its plain run under torch's selective checkpoint caching nothing, less the time
-    of the cached ops, which the recomputation skips. Blocks without that measurement (stateful ones,
+    of the cached ops, which the recomputation skips. The bytes freed are the policy's, less the RNG
+    state the checkpoint keeps (``Profile.ckpt_state_bytes``). Blocks without that measurement (stateful ones,
     groups of modules, blocks writing into storages they did not allocate, profiles made with
     ``ops=False``) get no policies.
     """
@@ -373,5 +374,6 @@ def op_costs(profile: Profile) -> dict[tuple[int, RecomputeOps], tuple[int, floa
         for policy in policy_menu(block_ops):
             skipped_ms = rerun_ms - policy.recompute_ms
             extra_ms = max(policy.recompute_ms, bp.selective_ms - skipped_ms)
-            out[(i, RecomputeOps(i, policy.save, policy.freed))] = (policy.freed_bytes, extra_ms)
+            freed = policy.freed_bytes - profile.ckpt_state_bytes
+            out[(i, RecomputeOps(i, policy.save, policy.freed))] = (freed, extra_ms)
     return out

@@ -129,6 +129,8 @@ class BlockOps:
             tensor the forward saved has been saved again.
         outputs: The ops that allocated the storages of the block's outputs. Caching one holds its
             output, which the next block may hold anyway (when it saves its input).
+        generator_state_bytes: Bytes of the states of the generators other than the default ones that
+            its ops draw from (``torch.bernoulli(p, generator=self.g)``), which a segment copies per call.
     """
 
     block: int
@@ -138,6 +140,7 @@ class BlockOps:
     input_saved_bytes: int
     stop: int
     outputs: tuple[int, ...] = ()
+    generator_state_bytes: int = 0
     _index: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -167,6 +170,7 @@ class BlockOps:
             "input_saved_bytes": self.input_saved_bytes,
             "stop": self.stop,
             "outputs": list(self.outputs),
+            "generator_state_bytes": self.generator_state_bytes,
         }
 
     @classmethod
@@ -236,6 +240,7 @@ class _Run:
         self.input_saved: dict[int, int] = {}
         self.stop = 0
         self.outputs: list[int] = []
+        self.generators: dict[int, int] = {}  # its own generators drawn from: id -> bytes of the state
 
     def owner_of(self, ptr: int) -> int:
         return self.owner.get(ptr, EXTERNAL)
@@ -259,6 +264,13 @@ class _Run:
             st = _storage(t)
             if st is not None and self.owner_of(st[0]) not in writes:
                 writes.append(self.owner_of(st[0]))
+        gen = kwargs.get("generator")
+        if isinstance(gen, torch.Generator) and gen is not torch.default_generator:
+            # It advances a generator of the model's own: state torch's selective checkpoint does not
+            # restore, and which remat's segments copy per call (BlockOps.generator_state_bytes).
+            self.generators[id(gen)] = gen.get_state().nbytes
+            if EXTERNAL not in writes:
+                writes.append(EXTERNAL)
         storages: list[int] = []
         out_bytes = 0
         for t in _tensors(out):
@@ -380,8 +392,10 @@ def _one_forward(
     missing = [block_list[i].name for i, r in enumerate(rec.runs) if r is None]
     if missing:
         raise BlockSelectionError(
-            f"profile_ops: block {missing[0]!r} did not run in the forward of {type(model).__name__}; "
-            "select blocks that the model's forward calls"
+            f"profile_ops: block {missing[0]!r} did not run in the forward of {type(model).__name__}; select "
+            "blocks that the model's forward calls; a model that skips layers at random (LayerDrop: HF's "
+            "layerdrop / encoder_layerdrop) cannot be profiled: set that probability to 0 to profile and plan, "
+            "or apply a strategy that needs no profile (remat.apply(model, remat.sqrt()))"
         )
     return [r for r in rec.runs if r is not None], out
 
@@ -436,6 +450,7 @@ def _block_ops(block: Block, runs: list[_Run]) -> BlockOps:
         input_saved_bytes=input_saved,
         stop=first.stop,
         outputs=tuple(sorted(first.outputs)),
+        generator_state_bytes=sum(first.generators.values()),
     )
 
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from remat._progress import progress as show_progress
 from remat.blocks import Block, fingerprint, resolve
@@ -69,6 +70,27 @@ log = logging.getLogger(__name__)
 # BatchNorm's running statistics), stateful blocks and groups of modules get no such configuration.
 
 
+class _FlopCount(TorchDispatchMode):
+    """FLOPs of the ops run inside, by ``torch.utils.flop_counter``'s formulas (``flop_registry``).
+
+    ``FlopCounterMode`` without its module tracker: the probe attributes FLOPs to blocks, and the
+    tracker's hooks assert on tensors that need a gradient but were made inside a custom autograd
+    Function (Reformer's reversible layers), and change the backward's memory.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+
 def _selective_ok(b: Block, stateful: tuple[str, ...], block_ops: BlockOps) -> bool:
     """Whether block ``b`` may run under an op-level policy (NOTE [ Op-level policy costs ])."""
     writes_outside = any(w == EXTERNAL for op in block_ops.ops for w in op.writes)
@@ -76,15 +98,16 @@ def _selective_ok(b: Block, stateful: tuple[str, ...], block_ops: BlockOps) -> b
 
 
 def _timing_configs(
-    block_list: Sequence[Block], *, chain: bool, selective: Sequence[bool] = ()
+    block_list: Sequence[Block], *, chain: bool, selective: Sequence[bool] = (), editing: Sequence[bool] = ()
 ) -> dict[str, tuple[Op, ...]]:
     n = len(block_list)
+    editing = tuple(editing) or (False,) * n  # blocks that edit an argument in place: never recomputed
     keeps = tuple(Keep(i) for i in range(n))
     configs: dict[str, tuple[Op, ...]] = {
         "plain": keeps,
-        "full": tuple(Recompute(i, i + 1, (Keep(i),)) for i in range(n)),
+        "full": tuple(Keep(i) if editing[i] else Recompute(i, i + 1, (Keep(i),)) for i in range(n)),
     }
-    if chain and n >= 2:
+    if chain and n >= 2 and not any(editing):
         # One checkpoint around every block: against "full" (n checkpoints) it gives the cost per call.
         configs["segment"] = (Recompute(0, n, keeps),)
     if any(selective):
@@ -163,7 +186,7 @@ def profile(
 
     Runs ``warmup`` plain iterations, ``repeats`` timed iterations (median per block) and a few with
     blocks checkpointed (NOTE [ Measured checkpoint costs ]), one iteration under the torch profiler for
-    memory, one under ``FlopCounterMode`` for FLOPs, and (``ops``) a forward recording every op.
+    memory, one counting FLOPs (``torch.utils.flop_counter``'s formulas), and (``ops``) a forward recording every op.
     The profile's peak, and the budgets of plans made from it, are the peak of that iteration (NOTE
     [ What a step's peak means ] in ``remat.core.trace``; ``Profile.loop`` records it). The model is
     left exactly as it was: parameters, gradients, buffers (BatchNorm statistics), RNG state,
@@ -232,9 +255,10 @@ def profile(
         # [ Measured checkpoint costs ]) with every block, every attention, every FFN checkpointed,
         # interleaved so that drifts of the machine hit every configuration alike.
         selective = [
-            bool(block_ops) and _selective_ok(b, tracked.stateful[i], block_ops[i]) for i, b in enumerate(block_list)
+            bool(block_ops) and not tracked.edits_input[i] and _selective_ok(b, tracked.stateful[i], block_ops[i])
+            for i, b in enumerate(block_list)
         ]
-        configs = _timing_configs(block_list, chain=chain, selective=selective)
+        configs = _timing_configs(block_list, chain=chain, selective=selective, editing=tracked.edits_input[:n])
         members = resolve(model, block_list)
         runs: dict[str, list[list[tuple[str, int, int]]]] = {name: [] for name in configs}
         step_ms: list[float] = []
@@ -247,14 +271,14 @@ def profile(
                 if name == "plain":
                     step_ms.append((events[-1][2] - events[0][2]) / 1e6)
 
-        # FLOPs (in an iteration of their own: FlopCounterMode's module tracking changes the backward's memory).
+        # FLOPs, in an iteration of their own.
         flop_events: list[tuple[str, int, int]] = []
-        counter = FlopCounterMode(display=False)
-        with probe(model, block_list, lambda kind, i: flop_events.append((kind, i, counter.get_total_flops()))):
+        counter = _FlopCount()
+        with probe(model, block_list, lambda kind, i: flop_events.append((kind, i, counter.total))):
             it.reset()
             with counter:
                 train_step(model, inputs, loss_fn)
-            flop_events.append(("end", 0, counter.get_total_flops()))
+            flop_events.append(("end", 0, counter.total))
 
     prof = _assemble(
         model, block_list, tracked, trace, runs, step_ms, _times(flop_events), held, dev, n, grad_events, selective
@@ -268,6 +292,8 @@ def profile(
             pinned_out_bytes=pinned[i][1],
             reused_bytes=reused[i],
             unlinked_bytes=tracked.unlinked[i],
+            unsaved_input_bytes=tracked.unsaved_unlinked(i),
+            generator_state_bytes=block_ops[i].generator_state_bytes if block_ops else 0,
         )
         for i, bp in enumerate(prof.block_profiles)
     )
@@ -435,7 +461,9 @@ def _check_order(calls: list[int], order: list[int], block_list: Sequence[Block]
     if bad:
         raise BlockSelectionError(
             f"profile: blocks must run exactly once per step, but {bad[:3]} (name, runs) did not; "
-            "choose blocks that the forward calls once each"
+            "choose blocks that the forward calls once each; a model that skips layers at random (LayerDrop: "
+            "HF's layerdrop / encoder_layerdrop) cannot be profiled: set that probability to 0 to profile and "
+            "plan, or apply a strategy that needs no profile (remat.apply(model, remat.sqrt()))"
         )
     if order != sorted(order):
         names = [block_list[i].name for i in order]
@@ -516,6 +544,11 @@ def _assemble(
         subs = []
         for fqn in (*b.attention_fqns, *b.ffn_fqns):
             slot = n + sub_index
+            if tracked.edits_input[slot]:
+                # It edits its input in place (Mixtral's router jitter): checkpointing it alone is refused
+                # by apply, so it gets no profile and the planner no sub-module variant for it.
+                sub_index += 1
+                continue
             saved = {k: v for k, v in tracked.saved[slot].items() if k not in tracked.inputs[slot]}
             # Checkpointing the sub-module holds its inputs (and an RNG state): free where the block saves
             # them anyway, a cost where it does not (a frozen layer with LoRA adapters saves no input).
@@ -560,6 +593,7 @@ def _assemble(
                 own_output_bytes=sum(v for k, v in tracked.outputs[i].items() if k not in tracked.inputs[i]),
                 linked=tracked.linked[i],
                 stateful=tracked.stateful[i],
+                edits_input=tracked.edits_input[i],
                 grad_bytes=grads[i],
             )
         )

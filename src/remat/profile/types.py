@@ -69,11 +69,19 @@ class BlockProfile:
             skip): held to that block's backward, also when this block is inside a segment.
         unlinked_bytes: Bytes of its inputs that are neither the previous block's outputs nor older
             tensors (``x + stage(x)`` made between blocks): a segment going on through it holds them.
+        unsaved_input_bytes: The part of ``unlinked_bytes`` that its own forward does not save: the
+            plain step may free it after the block (``x = 2 * y`` rebinding ``x``), but a segment
+            starting at this block holds it to its backward.
+        generator_state_bytes: Bytes of the states of the generators of its own that its forward draws
+            from (``torch.bernoulli(p, generator=self.g)``): a segment keeps a copy per call of it, to
+            draw the same numbers in the replay (found by the per-op profile: 0 with ``ops=False``).
         linked: Whether its tensor inputs are the previous block's outputs or tensors that existed
             before the previous block started (then a segment across the boundary holds nothing
             more; always ``True`` for block 0).
         stateful: Buffers its forward updates in place, other than BatchNorm's running statistics
             (a stateful forward: the planner keeps such a block; NOTE [ State under recomputation ]).
+        edits_input: Whether its forward edits one of its tensor arguments in place (its recomputation
+            would edit it again: the planner keeps such a block, as ``apply`` refuses to recompute it).
         grad_bytes: Bytes of parameter gradients first allocated in its backward (its own parameters,
             and those of code between it and the previous block), held to the end of the iteration;
             0 with gradients held (NOTE [ Gradients in the backward ] in ``remat.profile.profiler``).
@@ -102,8 +110,11 @@ class BlockProfile:
     pinned_out_bytes: int = 0
     reused_bytes: int = 0
     unlinked_bytes: int = 0
+    unsaved_input_bytes: int = 0
+    generator_state_bytes: int = 0
     linked: bool = True
     stateful: tuple[str, ...] = ()
+    edits_input: bool = False
     grad_bytes: int = 0
     selective_ms: float | None = None
 
