@@ -150,6 +150,42 @@ def test_leaf_runs_are_blocks_only_in_a_sequential() -> None:
     assert names(remat.blocks(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)))) == ["0", "1", "2"]
 
 
+def test_stochastic_depth_and_fused_gate_up_projections() -> None:
+    # The first layer's DropPath is an Identity (rate 0): children without weights do not split the
+    # stack. Phi-3's MLP projects d -> 2h (gate and up fused) and h -> d: still an FFN.
+    class DropPath(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up_proj, self.down_proj, self.act = nn.Linear(8, 64), nn.Linear(32, 8), nn.SiLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
+
+    class Layer(nn.Module):
+        def __init__(self, i: int) -> None:
+            super().__init__()
+            self.attn, self.norm, self.mlp = nn.MultiheadAttention(8, 2), nn.LayerNorm(8), MLP()
+            self.drop_path = DropPath() if i else nn.Identity()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x + self.drop_path(self.attn(x, x, x)[0])
+            return x + self.drop_path(self.mlp(self.norm(x)))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(i) for i in range(4)])
+
+    blocks = remat.blocks(Net())
+    assert names(blocks) == [f"layers.{i}" for i in range(4)]
+    assert [b.ffn_fqns for b in blocks] == [(f"layers.{i}.mlp",) for i in range(4)]
+
+
 def test_parametrized_layers_are_still_one_stack() -> None:
     # weight_norm gives every parametrized Linear a class of its own (ParametrizedLinear): the layers
     # holding them are still repeated layers, and apply checkpoints them (they run twice).
@@ -181,15 +217,17 @@ def test_parametrized_layers_are_still_one_stack() -> None:
 
 
 def test_a_module_list_is_never_a_block() -> None:
-    # No repeated layers (GRU and RNN alternate): the fallback takes the root's children, and a
+    # No repeated layers (GRU and RNN alternate): a ModuleList holding most of the weights gives its
+    # layers (Jamba's Mamba and attention layers); else the fallback takes the root's children, and a
     # ModuleList among them (no forward of its own, it never runs) is replaced by its modules.
     class Mixed(nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, head: int) -> None:
             super().__init__()
             self.layers = nn.ModuleList([nn.GRU(4, 4) if i % 2 else nn.RNN(4, 4) for i in range(4)])
-            self.head = nn.Linear(4, 4)
+            self.head = nn.Linear(4, head)
 
-    model = Mixed()
+    assert names(remat.blocks(Mixed(4))) == ["layers.0", "layers.1", "layers.2", "layers.3"]
+    model = Mixed(200)  # the head holds most of the weights
     assert names(remat.blocks(model)) == ["layers.0", "layers.1", "layers.2", "layers.3", "head"]
     with pytest.raises(BlockSelectionError, match=r"'layers' is a ModuleList.*include='layers\.\*'"):
         remat.blocks(model, include="layers")

@@ -12,6 +12,7 @@ import difflib
 import fnmatch
 import hashlib
 import inspect
+import itertools
 import textwrap
 import types
 from collections import Counter
@@ -193,9 +194,10 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 def _expands(units: Sequence[tuple[int, int]]) -> bool:
-    """Whether the projections hold a feed-forward's shape: ``d -> h`` with ``h > d``, and ``h -> d``."""
+    """Whether the projections hold a feed-forward's shape: ``d -> h`` with ``h > d``, and ``h -> d``; or
+    a fused gate and up projection ``d -> 2h`` with ``h -> d`` (Phi-3's ``gate_up_proj``)."""
     have = set(units)
-    return any(o > i and (o, i) in have for i, o in have)
+    return any(o > i and ((o, i) in have or (o % 2 == 0 and o // 2 > i and (o // 2, i) in have)) for i, o in have)
 
 
 @dataclass(frozen=True)
@@ -530,8 +532,11 @@ def _class(module: nn.Module) -> type:
 
 def _run_key(module: nn.Module) -> tuple[type, frozenset[type]]:
     # Same class and the same kinds of children: ResNet stages (Sequentials of blocks) match each
-    # other but not the stem (a Sequential of conv, norm, activation).
-    return _class(module), frozenset(_class(c) for c in module.children())
+    # other but not the stem (a Sequential of conv, norm, activation). Children without parameters or
+    # buffers do not count: stochastic depth gives the first layer an Identity where the others have a
+    # DropPath (BEiT, ConvNeXt, Swin).
+    weighted = (c for c in module.children() if any(True for _ in itertools.chain(c.parameters(), c.buffers())))
+    return _class(module), frozenset(_class(c) for c in weighted)
 
 
 def _param_count(modules: Sequence[nn.Module]) -> int:
@@ -660,7 +665,7 @@ def _best_run(model: nn.Module) -> list[str]:
 
 
 def _default_groups(model: nn.Module) -> list[tuple[str, ...]]:
-    found = _Stacks(model).cover(model, "") or _best_run(model)
+    found = _Stacks(model).cover(model, "") or _best_run(model) or _layer_list(model)
     if found:
         return [(f,) for f in found]
     roots = _callable_children(model, "")
@@ -670,6 +675,19 @@ def _default_groups(model: nn.Module) -> list[tuple[str, ...]]:
         f"blocks: found no repeated children in {type(model).__name__} to use as blocks; "
         "choose them with include='layers.*', types=..., filter=... or named=[[...]]"
     )
+
+
+def _layer_list(model: nn.Module) -> list[str]:
+    # No repeated layers, but a ModuleList of layers of several classes that holds most of the weights
+    # (Jamba's Mamba and attention decoder layers, an RNN of GRU and LSTM layers): its modules.
+    total = sum(p.numel() for p in model.parameters())
+    best: tuple[int, list[str]] = (0, [])
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) >= 2:
+            weight = sum(p.numel() for p in module.parameters())
+            if weight > best[0] and 2 * weight >= total:
+                best = (weight, [_join(fqn, name) for name, _ in module.named_children()])
+    return best[1]
 
 
 def _callable_children(module: nn.Module, prefix: str) -> list[str]:
