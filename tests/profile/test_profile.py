@@ -155,6 +155,9 @@ def test_what_edits_its_input_in_place_is_never_recomputed(layer: type[nn.Module
     subs = [s.fqn for bp in prof.block_profiles for s in bp.subs]
     assert not any(f.endswith("mlp") for f in subs) and (block_edits or len(subs) == 4)
     assert chain_of(prof).recomputable[:4] == (not block_edits,) * 4
+    if not block_edits:  # ffn_only would checkpoint the MLP alone: refused at planning, with the reason
+        with pytest.raises(RematError, match=r"checkpoints 0\.mlp alone.*edits its input in place"):
+            remat.plan(prof, strategy=remat.ffn_only())
     for budget in ("40%", "70%", "90%"):
         try:
             plan = remat.plan(prof, budget)

@@ -10,7 +10,7 @@ from torch import nn
 
 from remat.blocks import Block, fingerprint
 from remat.blocks import blocks as find_blocks
-from remat.core.ops import Keep, Op, ops_repr
+from remat.core.ops import Keep, Op, RecomputeSub, ops_repr
 from remat.errors import BudgetInfeasibleError, RematError
 from remat.plan.chain import Chain, chain_of
 from remat.plan.policies import op_costs
@@ -129,8 +129,21 @@ def variant_costs(
 
 
 def plan_from_ops(profile: Profile, ops: tuple[Op, ...], label: str, budget_bytes: int | None = None) -> Plan:
-    """A plan for ``ops`` on ``profile``'s blocks, with its simulated peak and recompute time."""
-    sim = simulate(chain_of(profile), ops, variant_costs(profile))
+    """A plan for ``ops`` on ``profile``'s blocks, with its simulated peak and recompute time.
+
+    Raises:
+        RematError: If ``ops`` checkpoints a sub-module alone that the profile has no figures for.
+    """
+    costs = variant_costs(profile)
+    for op in ops:
+        if isinstance(op, RecomputeSub) and (op.index, tuple(op.fqns)) not in costs:
+            raise RematError(
+                f"plan: {label} checkpoints {', '.join(op.fqns)} alone, which the profile has no figures for: "
+                "a sub-module that edits its input in place (Mixtral's router jitter) is never checkpointed "
+                "alone, as apply would refuse it; keep that block or recompute it whole (another strategy, "
+                "or a budget)"
+            )
+    sim = simulate(chain_of(profile), ops, costs)
     return Plan(
         strategy=label,
         blocks=profile.blocks,
