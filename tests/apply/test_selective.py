@@ -245,18 +245,53 @@ def test_a_block_with_its_own_generator_gets_no_policy_and_a_forced_one_is_refus
     assert torch.equal(model[0].generator.get_state(), state)
 
 
-def test_a_plan_of_policies_measures_what_it_predicts() -> None:
+class _TanhFirst(nn.Module):
+    """``x + fc2(gelu(fc1(tanh(x))))``: tanh saves its output, the add nothing, so ``x`` is not saved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(torch.tanh(x))))
+
+
+class _Autocast(nn.Module):
+    """``x + fc2(gelu(fc1(x)).float())`` with fc1 and GELU under bfloat16 autocast: its first op is a cast,
+    so it does not save its input either."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.nn.functional.gelu(self.fc1(x))
+        return x + self.fc2(h.float())
+
+
+def _chain_of(layer: type[nn.Module]) -> Any:
+    # The plain step frees each block's input after it; a policy's checkpoint holds it.
+    from ..zoo.models import Stack, _mse_case, seeded
+
+    return seeded(lambda: _mse_case(Stack([layer() for _ in range(6)]), 256, 32))()
+
+
+@pytest.mark.parametrize("model", ["chain", "tanh_chain", "autocast_chain"])
+def test_a_plan_of_policies_measures_what_it_predicts(model: str) -> None:
     # Every block under the policy of its menu that frees the most: the checkpoint's RNG state (5 KiB a
-    # block, charged by op_costs) is part of the prediction, so the measured peak is not above it.
+    # block) and the inputs it holds that the plain step frees, to the end of the block's backward, are
+    # charged by op_costs, so the measured peak is not above the prediction (1.041x, 1.319x and 1.29x
+    # before).
     from remat.core.ops import RecomputeOps
     from remat.plan.planner import plan_from_ops, variant_costs
 
     from ..zoo.models import ZOO
 
-    case = ZOO["chain"]()
+    case = ZOO["chain"]() if model == "chain" else _chain_of(_TanhFirst if model == "tanh_chain" else _Autocast)
     prof = remat.profile(case.model, case.inputs, case.loss_fn, repeats=1)
     best: dict[int, tuple[int, RecomputeOps]] = {}
-    for (k, op), (freed, _) in variant_costs(prof, subs=False).items():
+    for (k, op), (freed, *_) in variant_costs(prof, subs=False).items():
         if isinstance(op, RecomputeOps) and freed > best.get(k, (-1, op))[0]:
             best[k] = (freed, op)
     assert sorted(best) == list(range(len(prof.blocks)))

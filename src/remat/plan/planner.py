@@ -117,14 +117,14 @@ def solver_named(name: str, *, where: str = "plan") -> Solver:
 
 def variant_costs(
     profile: Profile, *, subs: bool = True, ops: bool = True
-) -> dict[tuple[int, VariantId], tuple[int, float]]:
+) -> dict[tuple[int, VariantId], tuple[int, float] | tuple[int, float, int]]:
     """The measured costs of the ways of keeping a block other than plainly (NOTE [ Keep variants ]):
     sub-modules checkpointed (``subs``), op-level policies (``ops``)."""
-    costs: dict[tuple[int, VariantId], tuple[int, float]] = {}
-    for (k, fqns), cost in (profile.sub_costs() if subs else {}).items():
-        costs[(k, fqns)] = cost
-    for (k, op), cost in (op_costs(profile) if ops else {}).items():
-        costs[(k, op)] = cost
+    costs: dict[tuple[int, VariantId], tuple[int, float] | tuple[int, float, int]] = {}
+    for (k, fqns), sub in (profile.sub_costs() if subs else {}).items():
+        costs[(k, fqns)] = sub
+    for (k, op), policy in (op_costs(profile) if ops else {}).items():
+        costs[(k, op)] = policy
     return costs
 
 

@@ -355,18 +355,39 @@ def policy_menu(block_ops: BlockOps, *, exact_limit: int = 16, max_options: int 
     return tuple(sorted(policies, key=lambda p: (-p.held_bytes, p.recompute_ms)))
 
 
-def op_costs(profile: Profile) -> dict[tuple[int, RecomputeOps], tuple[int, float]]:
+def _held_inputs(profile: Profile, i: int) -> int:
+    """Bytes of block ``i``'s inputs that its checkpoint holds to its backward but the plain step frees.
+
+    The checkpoint keeps the block's arguments. A block that does not save its input itself (a cast
+    first, under autocast) lets the plain step free it in the gap after the block (``x = block(x)``
+    rebinding ``x``: a negative gap), and so an input made between blocks that it does not save
+    (``unsaved_input_bytes``); a segment charges the same (NOTE [ Chain cost model ]). The last
+    block's gap is the head's, so there the previous block's output that it does not save is charged.
+    """
+    bp = profile.block_profiles[i]
+    held = max(0, -bp.gap_bytes) + bp.unsaved_input_bytes
+    if i == len(profile.block_profiles) - 1 and i > 0:
+        unsaved = profile.block_profiles[i - 1].own_output_bytes - profile.block_ops[i].input_saved_bytes
+        held = max(held, unsaved)
+    return held
+
+
+def op_costs(profile: Profile) -> dict[tuple[int, RecomputeOps], tuple[int, float, int]]:
     """Every block's policy menu as ways of keeping it, for the solvers (NOTE [ Keep variants ] in
-    ``remat.plan.solver``): ``(index, RecomputeOps) -> (bytes freed relative to Keep, extra ms)``.
+    ``remat.plan.solver``): ``(index, RecomputeOps) -> (bytes freed relative to Keep, extra ms, bytes
+    the block's backward peak rises by beyond the freed bytes coming back)``: what the checkpoint holds
+    to the end of that backward (its RNG state, the inputs of :func:`_held_inputs`), the RNG state the
+    recomputation forks, and the output of the op where torch's early stop ends it, unless cached.
 
     The extra time is measured (NOTE [ Op-level policy costs ] in ``remat.profile.profiler``): what the
     block cost beyond its plain run under torch's selective checkpoint caching nothing, less the time
     of the cached ops, which the recomputation skips. The bytes freed are the policy's, less the RNG
-    state the checkpoint keeps (``Profile.ckpt_state_bytes``). Blocks without that measurement (stateful ones,
+    state the checkpoint keeps (``Profile.ckpt_state_bytes``) and the inputs it holds that the plain
+    step frees (:func:`_held_inputs`). Blocks without that measurement (stateful ones,
     groups of modules, blocks writing into storages they did not allocate, profiles made with
     ``ops=False``) get no policies.
     """
-    out: dict[tuple[int, RecomputeOps], tuple[int, float]] = {}
+    out: dict[tuple[int, RecomputeOps], tuple[int, float, int]] = {}
     for i, (bp, block_ops) in enumerate(zip(profile.block_profiles, profile.block_ops)):
         if bp.selective_ms is None or bp.stateful:
             continue
@@ -374,6 +395,10 @@ def op_costs(profile: Profile) -> dict[tuple[int, RecomputeOps], tuple[int, floa
         for policy in policy_menu(block_ops):
             skipped_ms = rerun_ms - policy.recompute_ms
             extra_ms = max(policy.recompute_ms, bp.selective_ms - skipped_ms)
-            freed = policy.freed_bytes - profile.ckpt_state_bytes
-            out[(i, RecomputeOps(i, policy.save, policy.freed))] = (freed, extra_ms)
+            # The RNG state and the inputs the checkpoint holds stay to the end of the block's backward.
+            held = profile.ckpt_state_bytes + _held_inputs(profile, i)
+            last = block_ops.ops[block_ops.stop - 1] if block_ops.stop else None
+            stop_out = last.out_bytes if last is not None and last.key not in policy.save else 0
+            transient = held + stop_out + profile.ckpt_state_bytes
+            out[(i, RecomputeOps(i, policy.save, policy.freed))] = (policy.freed_bytes - held, extra_ms, transient)
     return out

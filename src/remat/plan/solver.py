@@ -95,10 +95,10 @@ __all__ = ["Simulation", "SubCosts", "VariantId", "simulate", "solve", "min_peak
 # A way to keep a block other than plainly: the sub-modules checkpointed inside it (RecomputeSub), or an
 # op-level policy (RecomputeOps, the operation itself).
 VariantId = tuple[str, ...] | RecomputeOps
-SubCosts = Mapping[tuple[int, VariantId], tuple[int, float]]
-"""``(block index, fqns or RecomputeOps) -> (bytes saved relative to Keep, recompute milliseconds)``
-for ``RecomputeSub`` and ``RecomputeOps``; op-level policies only at the top level of a plan
-(NOTE [ Keep variants ])."""
+SubCosts = Mapping[tuple[int, VariantId], tuple[int, float] | tuple[int, float, int]]
+"""``(block index, fqns or RecomputeOps) -> (bytes saved relative to Keep, recompute milliseconds[,
+bytes the recomputation adds to the block's backward peak])`` for ``RecomputeSub`` and
+``RecomputeOps``; op-level policies only at the top level of a plan (NOTE [ Keep variants ])."""
 
 # Headrooms up to this many bytes are solved in 1-byte units, i.e. exactly.
 _EXACT_MAX_BYTES = 4096
@@ -137,16 +137,17 @@ class Simulation:
     extra_ms: float
 
 
-def _kept_sizes(chain: Chain, k: int, saved: int) -> tuple[int, int, int]:
+def _kept_sizes(chain: Chain, k: int, saved: int, transient: int = 0) -> tuple[int, int, int]:
     """(S, fp, bp) of block ``k`` run normally, with ``saved`` bytes of sub-modules checkpointed.
 
     Checkpointing a sub-module lowers what the block holds between its forward and its backward by
     ``saved``; its own peaks stay where they were (the sub-module's activations exist during its
     forward, and are recomputed during the block's backward), so ``bp`` rises by ``saved`` relative
-    to the lower level.
+    to the lower level, and by what the recomputation itself holds for a while (``transient``: the
+    output of the op where it stops early, the RNG state it forks).
     """
     keep, fwd_peak, bwd_peak = chain.kept_level_bytes(k), int(chain.fwd_peak_bytes[k]), int(chain.bwd_peak_bytes[k])
-    return keep - saved, fwd_peak, bwd_peak + saved
+    return keep - saved, fwd_peak, bwd_peak + saved + transient
 
 
 @dataclass(frozen=True)
@@ -178,13 +179,17 @@ def _variants(chain: Chain, sub_costs: SubCosts | None, top_only: bool = False) 
     out: list[list[_Variant]] = []
     for k in range(chain.n + 1):
         out.append([(None, *_kept_sizes(chain, k, 0), 0.0)])
-    for (k, variant), (saved, ms) in sorted((sub_costs or {}).items(), key=lambda kv: (kv[0][0], repr(kv[0][1]))):
+    for (k, variant), cost in sorted((sub_costs or {}).items(), key=lambda kv: (kv[0][0], repr(kv[0][1]))):
         if 0 <= k < chain.n and chain.recomputable[k]:
             key: VariantId | _TopOnly = variant if isinstance(variant, RecomputeOps) else tuple(variant)
             if top_only and isinstance(key, tuple):
                 key = _TopOnly(key)
-            out[k].append((key, *_kept_sizes(chain, k, int(saved)), float(ms)))
+            out[k].append((key, *_kept_sizes(chain, k, int(cost[0]), _transient(cost)), float(cost[1])))
     return out
+
+
+def _transient(cost: tuple[int, float] | tuple[int, float, int]) -> int:
+    return int(cost[2]) if len(cost) > 2 else 0  # type: ignore[misc]
 
 
 def _kept_op(k: int, variant: VariantId | _TopOnly | None) -> Op:
@@ -207,10 +212,12 @@ class _Simulator:
 
     def _block_sizes(self, op: Keep | RecomputeSub | RecomputeOps) -> tuple[int, int, int]:
         """(S, fp, bp) of a normally run block; RecomputeSub / RecomputeOps lower them by the saved bytes."""
-        saved = self._sub_cost(op)[0] if isinstance(op, (RecomputeSub, RecomputeOps)) else 0
-        return _kept_sizes(self.chain, op.index, saved)
+        if not isinstance(op, (RecomputeSub, RecomputeOps)):
+            return _kept_sizes(self.chain, op.index, 0)
+        cost = self._sub_cost(op)
+        return _kept_sizes(self.chain, op.index, int(cost[0]), _transient(cost))
 
-    def _sub_cost(self, op: RecomputeSub | RecomputeOps) -> tuple[int, float]:
+    def _sub_cost(self, op: RecomputeSub | RecomputeOps) -> tuple[int, float] | tuple[int, float, int]:
         key: tuple[int, VariantId] = (op.index, op if isinstance(op, RecomputeOps) else tuple(op.fqns))
         if self.sub_costs is None or key not in self.sub_costs:
             raise RematError(
