@@ -376,8 +376,7 @@ def op_costs(profile: Profile) -> dict[tuple[int, RecomputeOps], tuple[int, floa
     """Every block's policy menu as ways of keeping it, for the solvers (NOTE [ Keep variants ] in
     ``remat.plan.solver``): ``(index, RecomputeOps) -> (bytes freed relative to Keep, extra ms, bytes
     the block's backward peak rises by beyond the freed bytes coming back)``: what the checkpoint holds
-    to the end of that backward (its RNG state, the inputs of :func:`_held_inputs`), the RNG state the
-    recomputation forks, and the output of the op where torch's early stop ends it, unless cached.
+    to the end of that backward, its RNG state and the inputs of :func:`_held_inputs`.
 
     The extra time is measured (NOTE [ Op-level policy costs ] in ``remat.profile.profiler``): what the
     block cost beyond its plain run under torch's selective checkpoint caching nothing, less the time
@@ -397,8 +396,5 @@ def op_costs(profile: Profile) -> dict[tuple[int, RecomputeOps], tuple[int, floa
             extra_ms = max(policy.recompute_ms, bp.selective_ms - skipped_ms)
             # The RNG state and the inputs the checkpoint holds stay to the end of the block's backward.
             held = profile.ckpt_state_bytes + _held_inputs(profile, i)
-            last = block_ops.ops[block_ops.stop - 1] if block_ops.stop else None
-            stop_out = last.out_bytes if last is not None and last.key not in policy.save else 0
-            transient = held + stop_out + profile.ckpt_state_bytes
-            out[(i, RecomputeOps(i, policy.save, policy.freed))] = (policy.freed_bytes - held, extra_ms, transient)
+            out[(i, RecomputeOps(i, policy.save, policy.freed))] = (policy.freed_bytes - held, extra_ms, held)
     return out
