@@ -58,7 +58,11 @@ Memory is simulated (``remat.plan.simulate``) with a level ``L`` starting at ``b
   after the chain:              peak base + tail_peak
 (c is ``ckpt_state_bytes``, the RNG state a checkpoint keeps.) ``bp[k]`` is measured against the level
 after block k's forward plus the gradients allocated before its backward starts (the head's and later
-blocks'), so charging it from ``S'`` errs by ``g[k]`` on the safe side. Gradients accumulate: a
+blocks'); ``chain_of`` adds ``fi[k]`` (``freed_input_bytes``: the input the plain step frees right after
+block k, ``-g[k]`` when negative: under autocast a block saves the bf16 copy of its input, not the input)
+so that charging it from ``S'`` is never low, and errs by ``max(g[k], 0)`` on the safe side. A
+checkpoint holds its first block's input to the end of its backward, so a ``Recompute(a, b, I)`` runs
+``I`` (replay and backward) ``fi[a]`` higher. Gradients accumulate: a
 block's backward, and a recomputation, run above every gradient allocated before them (a segment's
 replay runs after the blocks after it made theirs). The solvers only
 put several blocks in one segment across boundaries where nothing is held between them
@@ -126,6 +130,12 @@ class Chain:
             segment that starts at the block (default 0).
         generator_state_bytes: Bytes of the states of each block's own generators, which a segment
             keeps per call of the block (default 0).
+        freed_input_bytes: Bytes of each block's input that the plain step frees right after the block
+            because the block does not save it (a cast first: under autocast a block saves the bf16 copy
+            of its input, not the input; ``-gap_bytes`` where that is negative, and for the last block,
+            whose gap is the head's, its input less what it saves of it). ``bwd_peak_bytes`` is charged
+            from the level without them (the input is gone by the block's backward), and a segment
+            starting at the block holds them through its replay and backward (default 0).
         joinable: Whether a segment may go on from each block into the next one holding nothing that
             the chain model leaves out (``BlockProfile.chainable`` and the next block linked); the
             solvers put several blocks in one segment only across joinable boundaries (default all ``True``).
@@ -155,6 +165,7 @@ class Chain:
     unlinked_bytes: tuple[int, ...] = ()
     unsaved_input_bytes: tuple[int, ...] = ()
     generator_state_bytes: tuple[int, ...] = ()
+    freed_input_bytes: tuple[int, ...] = ()
     recomputable: tuple[bool, ...] = ()
     grad_bytes: tuple[int, ...] = ()
     joinable: tuple[bool, ...] = ()
@@ -175,6 +186,7 @@ class Chain:
             "unlinked_bytes",
             "unsaved_input_bytes",
             "generator_state_bytes",
+            "freed_input_bytes",
             "grad_bytes",
         ):
             if not getattr(self, name):
@@ -232,6 +244,16 @@ class Chain:
         )
 
 
+def _freed_inputs(profile: Profile) -> tuple[int, ...]:
+    """Per block, the bytes of its input the plain step frees right after it (``Chain.freed_input_bytes``)."""
+    bps = profile.block_profiles
+    out = [max(0, -b.gap_bytes) for b in bps]
+    if len(bps) > 1 and profile.block_ops:
+        # The last block's gap is the head's: its input, less what it saves of it (the op profile knows).
+        out[-1] = max(out[-1], bps[-2].own_output_bytes - profile.block_ops[-1].input_saved_bytes)
+    return tuple(out)
+
+
 def chain_of(profile: Profile) -> Chain:
     """The solver's view of a profile (NOTE [ Chain cost model ])."""
     bps = profile.block_profiles
@@ -243,7 +265,11 @@ def chain_of(profile: Profile) -> Chain:
         x_bytes=(bps[0].input_bytes, *(b.own_output_bytes for b in bps[:-1]), profile.head_input_bytes),
         keep_bytes=tuple(b.keep_bytes for b in bps) + (0,),
         fwd_peak_bytes=tuple(b.fwd_peak_bytes for b in bps) + (profile.head_peak_bytes,),
-        bwd_peak_bytes=tuple(b.bwd_peak_bytes for b in bps) + (0,),
+        # Measured against the level at the end of the block's forward, which still holds the input the
+        # plain step frees right after it (freed_input_bytes): the simulator charges bp from the level
+        # after that gap, so the freed input is added back (else an autocast block's backward peak is
+        # predicted that much too low wherever it is the step's peak).
+        bwd_peak_bytes=tuple(b.bwd_peak_bytes + max(0, -b.gap_bytes) for b in bps) + (0,),
         base_bytes=profile.base_bytes,
         pre_peak_bytes=profile.pre_peak_bytes,
         # After block 0's backward nothing depends on the plan: the rest of the backward, then the
@@ -260,6 +286,7 @@ def chain_of(profile: Profile) -> Chain:
         unlinked_bytes=tuple(b.unlinked_bytes for b in bps) + (0,),
         unsaved_input_bytes=tuple(b.unsaved_input_bytes for b in bps) + (0,),
         generator_state_bytes=tuple(b.generator_state_bytes for b in bps) + (0,),
+        freed_input_bytes=_freed_inputs(profile) + (0,),
         recomputable=tuple(not b.stateful and not b.edits_input for b in bps) + (True,),
         joinable=tuple(
             i + 1 >= len(bps) or (b.chainable and b.reused_bytes == 0 and bps[i + 1].linked) for i, b in enumerate(bps)

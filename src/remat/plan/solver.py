@@ -254,10 +254,15 @@ class _Simulator:
         if isinstance(op, Recompute):
             last = len(op.inner) - 1
             freed = int(self.chain.out_free_bytes[op.stop - 1])
+            # The checkpoint holds the segment's input through the replay and its backward, where the
+            # replayed first block's gap (a plain step's) would free it: hold it back.
+            hold = int(self.chain.freed_input_bytes[op.start])
+            self.level += hold
             for i, inner_op in enumerate(op.inner):
                 self.forward(inner_op, replay=True, discard=freed if i == last else 0)
             for i in range(last, -1, -1):
                 self.backward(op.inner[i], discard=freed if i == last else 0)
+            self.level -= hold
             self.level -= self.chain.segment_bytes(op.start, op.stop)
             return
         keep, _, bwd_peak = self._block_sizes(op)
@@ -344,6 +349,7 @@ class _Table:
     slack: list[int]  # m units at block s stand for at least m * u + slack[s] bytes
     grads_after: list[int]  # grads_after[j] = G[j] + ... + G[n] (0 for j = n + 1)
     nosave_bytes: npt.NDArray[np.int64]  # [s, k]: nosave(s, k) + ckpt_state_bytes (0 where blocked)
+    hold_units: list[int]  # checkpoint s..k-1: its inner plan also runs above s's freed input
 
     def shift_index(self, m: int, units: int) -> int:
         """Index of ``opt(·, ·, m - units)`` in the table (clamped at the top), or -1 if below 0."""
@@ -416,6 +422,7 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
     held = _held(chain)
     rest_units = [_ceil_div(held[k] + slack[k], u) for k in range(n + 1)]
     inner_units = [_ceil_div(held[k], u) for k in range(n + 1)]
+    hold_units = [_ceil_div(int(chain.freed_input_bytes[s]), u) for s in range(n + 1)]
     # NOTE [ Gradients in the program ]: m is headroom above the entry level less the gradients of
     # the blocks after t; a backward needs them, a forward of s..t runs above those of blocks after t.
     after = _grads_after(chain)
@@ -440,7 +447,7 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
     opt = np.full((n + 1, n + 1, size), _INF)
     shifted = np.full((n + 1, n + 1, size), _INF)
     nosave_bytes = np.zeros((n + 1, n + 1), dtype=np.int64)
-    table = _Table(n, size, opt, shifted, rest_units, inner_units, kept, nested, u, slack, after, nosave_bytes)
+    table = _Table(n, size, opt, shifted, rest_units, inner_units, kept, nested, u, slack, after, nosave_bytes, hold_units)
     scratch = np.empty((n + 1, size))
     best, cand, least = np.empty(size), np.empty(size), np.empty(size)  # reused rows (see _shift)
     columns = np.arange(size)
@@ -492,7 +499,8 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
                     later = max(later, int(chain.fwd_peak_bytes[s + 1]) + int(chain.x_bytes[s + 1]))
                 nosave = int(max(int(chain.fwd_peak_bytes[s]), later)) + int(chain.ckpt_state_bytes)
                 nosave_bytes[s, t + 1] = nosave
-                w = _shift(opt[s, t], inner_units[t + 1], shifted[s, t + 1])
+                # The checkpoint holds s's freed input through the inner plan (Chain.freed_input_bytes).
+                w = _shift(opt[s, t], inner_units[t + 1] + hold_units[s], shifted[s, t + 1])
                 np.add(w, fsum + float(chain.ckpt_call_ms), out=w)
                 w[: max(0, min(_ceil_div(nosave - slack[s], u), size))] = _INF
     return table
@@ -511,7 +519,7 @@ def _rebuild(table: _Table, s: int, t: int, m: int) -> tuple[Op, ...]:
             continue
         for k in table.candidates(s, t):
             if m >= table.nosave_ok(s, t, k) and table.shifted[t, k, m] + table.shifted[s, k, m] == value:
-                inner_m = table.shift_index(m, table.inner_units[k])
+                inner_m = table.shift_index(m, table.inner_units[k] + table.hold_units[s])
                 ops.append(Recompute(s, k, _rebuild(table, s, k - 1, inner_m)))
                 m, s = table.shift_index(m, table.rest_units[k]), k
                 break
@@ -648,7 +656,7 @@ def _peak_table(
             best = min(_kept_peak(way, grads, int(peak[s + 1, t])) for way in ways[s] if _allowed(way[0], s, t, n))
             hi = t + 1 if nested else s + 2
             ks = slice(s + 1, hi)
-            inner = after[ks] - after[t + 1] + peak[s, s : hi - 1]
+            inner = after[ks] - after[t + 1] + peak[s, s : hi - 1] + int(chain.freed_input_bytes[s])
             cand = np.maximum(nosave[s, ks], x[ks] + np.maximum(peak[ks, t], inner))
             peak[s, t] = min(best, int(cand.min()))
     return peak, nosave
@@ -690,7 +698,7 @@ def min_peak_plan(
                 s += 1
                 continue
             for k in range(s + 1, t + 1 if nested else s + 2):
-                inner = after[k] - after[t + 1] + int(peak[s, k - 1])
+                inner = after[k] - after[t + 1] + int(peak[s, k - 1]) + int(chain.freed_input_bytes[s])
                 if max(int(nosave[s, k]), int(x[k]) + max(int(peak[k, t]), inner)) == peak[s, t]:
                     ops.append(Recompute(s, k, build(s, k - 1)))
                     s = k
