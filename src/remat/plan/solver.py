@@ -447,7 +447,9 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
     opt = np.full((n + 1, n + 1, size), _INF)
     shifted = np.full((n + 1, n + 1, size), _INF)
     nosave_bytes = np.zeros((n + 1, n + 1), dtype=np.int64)
-    table = _Table(n, size, opt, shifted, rest_units, inner_units, kept, nested, u, slack, after, nosave_bytes, hold_units)
+    table = _Table(
+        n, size, opt, shifted, rest_units, inner_units, kept, nested, u, slack, after, nosave_bytes, hold_units
+    )
     scratch = np.empty((n + 1, size))
     best, cand, least = np.empty(size), np.empty(size), np.empty(size)  # reused rows (see _shift)
     columns = np.arange(size)
