@@ -518,3 +518,75 @@ def test_attention_and_ffn_checkpointing_is_exact(layer: type[nn.Module]) -> Non
         ops = remat.plan(found, strategy=strategy).ops
         assert all(isinstance(op, RecomputeSub) for op in ops), ops
         assert remat.check_gradients(model, strategy, x, lambda out: out.square().mean()).equal
+
+
+class _NormAfter(nn.Module):
+    """Registers its projection before its norm but calls the norm first (as HF's Llama layer)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.experts = nn.ModuleList([nn.Linear(d, d), nn.Linear(d, d)])
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(self.norm(x))
+        for e in self.experts:
+            h = h + e(h)
+        return x + h
+
+
+def test_split_blocks_are_the_children_in_call_order() -> None:
+    seq = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8)) for _ in range(3)))
+    assert [b.name for b in remat.blocks(seq, split=True)] == [f"{i}.{j}" for i in range(3) for j in range(3)]
+    model = nn.Sequential(*(_NormAfter(8) for _ in range(2)))
+    # The forward's order, not registration's; a ModuleList gives its modules.
+    assert [b.name for b in remat.blocks(model, split=True)] == [
+        f"{i}.{c}" for i in range(2) for c in ("norm", "proj", "experts.0", "experts.1")
+    ]
+    assert [b.name for b in remat.blocks(seq, include="1", split=True)] == ["1.0", "1.1", "1.2"]
+    assert [b.name for b in remat.blocks(seq, named=[["0.0", "0.1"]], split=True)] == ["0.0", "0.1"]  # leaves stay
+    x = torch.randn(16, 8)
+    prof = remat.profile(model, x, lambda out: out.pow(2).mean(), blocks=remat.blocks(model, split=True), repeats=1)
+    assert len(prof.blocks) == 8  # the profile ran them once each, in that order
+
+
+def test_split_blocks_end_segments_after_a_projection_exactly() -> None:
+    # A segment from one layer's GELU to the next layer's Linear: the replay stops when the Linear's
+    # input is saved again, before its matmul (BlockProfile.stop_ms), so the step runs no matmul twice,
+    # while a segment that starts with a Linear runs it again; the gradients are bitwise equal.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from remat.core.ops import Keep, Recompute
+    from remat.plan.planner import plan_from_ops
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256)),
+        nn.Sequential(nn.Linear(256, 64), nn.GELU(), nn.LayerNorm(64)),
+    )
+    x = torch.randn(512, 64)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.pow(2).mean()
+
+    def step_flops() -> int:
+        with FlopCounterMode(display=False) as counter:
+            loss_fn(model(x)).backward()
+        model.zero_grad(set_to_none=True)
+        return int(counter.get_total_flops())
+
+    prof = remat.profile(model, x, loss_fn, blocks=remat.blocks(model, split=True), repeats=1)
+    bps = prof.block_profiles
+    assert 0 < bps[3].stop_ms <= bps[3].fwd_ms  # Linear: its inputs are saved before the matmul runs
+    assert bps[2].stop_ms == 0.0  # LayerNorm saves its outputs (mean, rstd) last
+    plain = step_flops()
+    across = plan_from_ops(prof, (Keep(0), Recompute(1, 4, (Keep(1), Keep(2), Keep(3))), Keep(4), Keep(5)), "across")
+    within = plan_from_ops(prof, (Recompute(0, 3, (Keep(0), Keep(1), Keep(2))), Keep(3), Keep(4), Keep(5)), "within")
+    for plan, extra in ((across, 0), (within, 2 * 512 * 64 * 256)):
+        assert remat.check_gradients(model, plan, x, loss_fn).exact
+        remat.apply(model, plan)
+        assert step_flops() == plain + extra, plan.describe()  # GELU and LayerNorm count no FLOPs
+        measured = remat.measure(model, x, loss_fn, steps=1).peak_bytes
+        remat.remove(model)
+        assert plan.predicted_peak_bytes is not None and measured <= plan.predicted_peak_bytes

@@ -34,13 +34,11 @@ def test_small_workload_runs_every_eager_row(peers: ModuleType, name: str) -> No
     rows = {r["row"]: r for r in result["rows"]}
     peer_labels = [r["row"] for r in result["rows"] if r["kind"] == "peer"]
     assert peer_labels == (["HF gradient_checkpointing"] if name == "gpt2" else ["torch per-block", peer_labels[1]])
-    # A remat row at every peer's measured peak, and at the two shares of none's.
+    # A remat row at every peer's measured peak, and at the two shares of none's, on the blocks and on
+    # their children.
     remat_rows = [r for r in result["rows"] if r["kind"] == "remat"]
-    assert [r["budget_of"] for r in remat_rows] == [
-        "50% of none",
-        "20% of none",
-        *(f"peak of {p}" for p in peer_labels),
-    ]
+    budgets = ["50% of none", "20% of none", *(f"peak of {p}" for p in peer_labels)]
+    assert [r["row"] for r in remat_rows] == [f"{tag} @ {b}" for tag in ("remat", "remat split") for b in budgets]
     for r in result["rows"]:
         if r.get("infeasible"):
             assert "smallest feasible peak" in r["infeasible"]

@@ -58,6 +58,8 @@ def random_chain(rng: np.random.Generator, n: int, hi: int, *, negative_keep: bo
         out_free_bytes=tuple(int(v) for v in rng.integers(0, np.append(x[1:], 1) + 1)),
         ckpt_fwd_ms=tuple(float(v) for v in fwd + rng.uniform(0.0, 2.0, n + 1)),
         ckpt_call_ms=float(rng.choice([0.0, 0.5, 3.0])),
+        # The part of each forward after its last saved tensor, which a replay ending there skips.
+        stop_ms=tuple(float(v) for v in fwd * rng.uniform(0.0, 1.0, n + 1) * rng.integers(0, 2, n + 1)),
         ckpt_state_bytes=int(rng.choice([0, 1, 3])),
         # An input the plain step frees right after its block (a block that does not save its input).
         freed_input_bytes=tuple(int(v) for v in rng.integers(0, hi // 2 + 1, n + 1) * rng.integers(0, 2, n + 1)),

@@ -70,7 +70,10 @@ put several blocks in one segment across boundaries where nothing is held betwee
 simulation charges any other segment exactly as above.
 Time is the sum of every forward run (recomputations included) and every backward; a no-save
 forward under a checkpoint costs ``ckpt_fwd_ms`` per block plus ``ckpt_call_ms`` per checkpoint call
-(both measured, see NOTE [ Measured checkpoint costs ] in ``remat.profile.profiler``).
+(both measured, see NOTE [ Measured checkpoint costs ] in ``remat.profile.profiler``), and the replay of
+a ``Recompute(a, b, I)`` stops before the last ``stop_ms[b - 1]`` of block ``b - 1``'s forward (torch's
+early stop: the ops after its last saved tensor; when ``I`` ends with a nested checkpoint, the replay
+stops earlier still, so this errs on the slow side).
 """
 
 from __future__ import annotations
@@ -113,6 +116,8 @@ class Chain:
             costs ``ckpt_call_ms + ckpt_fwd_ms + fwd_ms + bwd_ms`` in all, as measured.
         ckpt_call_ms: Fixed cost of one checkpoint call (RNG state, frame set-up), charged each time a
             ``Recompute`` runs its no-save forward, milliseconds (default 0).
+        stop_ms: Time of each block's forward after its last saved tensor, milliseconds (default 0): a
+            replay that ends with the block does not run it (``BlockProfile.stop_ms``).
         ckpt_state_bytes: Bytes each checkpoint holds from its forward to the end of its backward
             besides the segment's output: the RNG state it saves (about 5 KiB on CPU; default 0).
         gap_bytes: Level change after each block's forward and before the next block starts (code
@@ -157,6 +162,7 @@ class Chain:
     out_free_bytes: tuple[int, ...] = ()
     ckpt_fwd_ms: tuple[float, ...] = ()
     ckpt_call_ms: float = 0.0
+    stop_ms: tuple[float, ...] = ()
     ckpt_state_bytes: int = 0
     gap_bytes: tuple[int, ...] = ()
     pinned_bytes: tuple[int, ...] = ()
@@ -186,6 +192,7 @@ class Chain:
             "unlinked_bytes",
             "unsaved_input_bytes",
             "generator_state_bytes",
+            "stop_ms",
             "freed_input_bytes",
             "grad_bytes",
         ):
@@ -278,6 +285,7 @@ def chain_of(profile: Profile) -> Chain:
         out_free_bytes=tuple(b.output_bytes - b.output_saved_bytes for b in bps) + (0,),
         ckpt_fwd_ms=tuple(max(b.ckpt_fwd_ms, b.fwd_ms) for b in bps) + (profile.head_ms,),
         ckpt_call_ms=profile.ckpt_call_ms,
+        stop_ms=tuple(b.stop_ms for b in bps) + (0.0,),
         ckpt_state_bytes=profile.ckpt_state_bytes,
         gap_bytes=tuple(b.gap_bytes for b in bps) + (0,),
         pinned_bytes=tuple(b.pinned_bytes for b in bps) + (0,),

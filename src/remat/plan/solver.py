@@ -18,7 +18,7 @@ then their backward, with ``m`` bytes of headroom above the level at the start o
                   (s < k <= t)                                   if nosave(s, k) <= m
   with nosave(s, k) = max over q in s..k-1 of fp[q] + (x[q] if q > s else 0), and g the cost of a
   no-save forward under a checkpoint (``ckpt_fwd_ms``, measured: checkpoint overhead included)
-  plus, once per checkpoint call, ``ckpt_call_ms``.
+  plus, once per checkpoint call, ``ckpt_call_ms`` less ``stop_ms[k-1]`` (the replay's early stop).
 
 Keep-first yields ``Keep(s)`` and the plan of ``s+1..t``; checkpoint ``k`` yields
 ``Recompute(s, k, plan(s, k-1))`` then the plan of ``k..t``. The inner plan ``plan(s, k-1)`` ends
@@ -260,6 +260,8 @@ class _Simulator:
             self.level += hold
             for i, inner_op in enumerate(op.inner):
                 self.forward(inner_op, replay=True, discard=freed if i == last else 0)
+            # The replay stops after the last block's last saved tensor (torch's early stop).
+            self.extra_ms -= float(self.chain.stop_ms[op.stop - 1])
             for i in range(last, -1, -1):
                 self.backward(op.inner[i], discard=freed if i == last else 0)
             self.level -= hold
@@ -503,7 +505,8 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
                 nosave_bytes[s, t + 1] = nosave
                 # The checkpoint holds s's freed input through the inner plan (Chain.freed_input_bytes).
                 w = _shift(opt[s, t], inner_units[t + 1] + hold_units[s], shifted[s, t + 1])
-                np.add(w, fsum + float(chain.ckpt_call_ms), out=w)
+                # The replay of s..t stops after t's last saved tensor (Chain.stop_ms).
+                np.add(w, fsum + float(chain.ckpt_call_ms) - float(chain.stop_ms[t]), out=w)
                 w[: max(0, min(_ceil_div(nosave - slack[s], u), size))] = _INF
     return table
 

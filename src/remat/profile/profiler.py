@@ -50,7 +50,13 @@ log = logging.getLogger(__name__)
 # configuration beyond the plain one. The solver then prices a checkpointed block at ``ckpt_fwd_ms``
 # (the no-save forward with its overhead) plus its plain forward and backward. Part of the overhead
 # comes once per checkpoint call, not per block: timing all blocks under one checkpoint as well, the
-# step-time difference to "full" is (n - 1) calls, which gives ``ckpt_call_ms``. A sub-module
+# step-time difference to "full" is (n - 1) calls, which gives ``ckpt_call_ms``. A replay ends as soon
+# as the last tensor the forward saved is saved again (torch's early stop): the ops of a block after
+# its last saved tensor (a closing Linear's matmul: autograd saves its inputs before it runs) do not
+# run again when the block ends a replay, and do when the replay goes on into the next block. The per-op
+# profile gives their share of the block's forward (``stop_ms``); "full" ends every block's replay early, one checkpoint only the
+# last block's, so ``ckpt_fwd_ms`` adds ``stop_ms`` back (a whole no-save forward and replay) and the
+# chain model takes it off once per replay, for the segment's last block. A sub-module
 # variant (attention / FFN checkpointed) costs its measured forward once more plus one call.
 #
 # What this costs (issue #9 asked for at most 10 plain steps on a 12-layer GPT): ``repeats`` plain
@@ -89,6 +95,13 @@ class _FlopCount(TorchDispatchMode):
         if formula is not None:
             self.total += int(formula(*args, **kwargs, out_val=out))
         return out
+
+
+def _stop_share(block_ops: Sequence[BlockOps], n: int) -> list[float]:
+    """Per block, the share of its forward's op time after the last op whose tensors autograd saves."""
+    if not block_ops:
+        return [0.0] * n
+    return [sum(op.ms for op in bo.ops[bo.stop :]) / max(bo.fwd_ms, 1e-9) for bo in block_ops]
 
 
 def _selective_ok(b: Block, stateful: tuple[str, ...], block_ops: BlockOps) -> bool:
@@ -281,7 +294,19 @@ def profile(
             flop_events.append(("end", 0, counter.total))
 
     prof = _assemble(
-        model, block_list, tracked, trace, runs, step_ms, _times(flop_events), held, dev, n, grad_events, selective
+        model,
+        block_list,
+        tracked,
+        trace,
+        runs,
+        step_ms,
+        _times(flop_events),
+        held,
+        dev,
+        n,
+        grad_events,
+        selective,
+        _stop_share(block_ops, n),
     )
     prof = replace(prof, loop=it.loop, block_ops=block_ops)
     bps = tuple(
@@ -486,6 +511,7 @@ def _assemble(
     n: int,
     grad_events: list[tuple[int, int]],
     selective: Sequence[bool],
+    stop_share: Sequence[float],
 ) -> Profile:
     marks = {name: ts[0] for name, ts in trace.mark_times().items()}
     # The backward ends where the optimizer's step starts (or the iteration ends).
@@ -515,9 +541,13 @@ def _assemble(
         return max(0, flops.get(b, flops.get(("end", 0), 0)) - flops.get(a, 0))
 
     step_of = {name: median([(t[("end", 0)] - t[("start", 0)]) / 1e6 for t in ts]) for name, ts in timings.items()}
+    # The per-op profile runs under a dispatch mode: its shares, not its times, apply to the plain forward.
+    stop_ms = [share * ms((Event.FORWARD, i), (Event.FORWARD_END, i)) for i, share in enumerate(stop_share)]
     call_ms = 0.0
     if "segment" in step_of and n >= 2:
-        call_ms = max(0.0, (step_of["full"] - step_of["segment"]) / (n - 1))
+        # NOTE [ Measured checkpoint costs ]: every block ends its own replay in "full" (skipping its
+        # stop_ms), only the last one under one checkpoint.
+        call_ms = max(0.0, (step_of["full"] - step_of["segment"] + sum(stop_ms[: n - 1])) / (n - 1))
 
     # A block whose output needs no gradient (frozen, LoRA-style) has no backward: a zero-length
     # one where the next block's backward ends (or the backward ends).
@@ -582,8 +612,10 @@ def _assemble(
                 # NOTE [ Measured checkpoint costs ]: what checkpointing the block adds beyond its plain
                 # forward + backward, at least one more forward.
                 ckpt_fwd_ms=max(
-                    ms((Event.FORWARD, i), (Event.FORWARD_END, i)), block_ms(i, "full") - plain_ms - call_ms
+                    ms((Event.FORWARD, i), (Event.FORWARD_END, i)),
+                    block_ms(i, "full") - plain_ms - call_ms + stop_ms[i],
                 ),
+                stop_ms=stop_ms[i],
                 # NOTE [ Op-level policy costs ]
                 selective_ms=block_ms(i, "selective") - plain_ms if selective[i] else None,
                 fwd_flops=fl((Event.FORWARD, i), (Event.FORWARD_END, i)),

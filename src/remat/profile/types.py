@@ -56,7 +56,12 @@ class BlockProfile:
         output_saved_bytes: Bytes of its outputs that the block itself saves for backward (e.g. a
             final ReLU's result); the rest is not held when the block ends a recomputed region.
         ckpt_fwd_ms: Measured cost of its no-save forward under a checkpoint, every overhead of
-            checkpointing it included (so checkpointing it costs this on top of a plain step), ms.
+            checkpointing it included, the replay run to its end (so checkpointing it on its own costs
+            this less ``stop_ms`` on top of a plain step), ms.
+        stop_ms: Time of its forward's ops after the last one whose tensors autograd saves (inputs are
+            saved before an op runs, outputs after), milliseconds: a replay that ends with this block
+            stops before them (torch's early stop), e.g. a closing Linear's matmul (from the per-op
+            profile; 0 with ``ops=False``).
         own_output_bytes: Bytes of its outputs that are not its inputs passed through (what a segment
             ending with it leaves for the blocks after it).
         gap_bytes: Level change after its forward and before the next block starts (code between
@@ -104,6 +109,7 @@ class BlockProfile:
     subs: tuple[SubProfile, ...] = ()
     output_saved_bytes: int = 0
     ckpt_fwd_ms: float = 0.0
+    stop_ms: float = 0.0
     own_output_bytes: int = -1
     gap_bytes: int = 0
     pinned_bytes: int = 0
