@@ -75,6 +75,22 @@ def test_profile_and_plan_write_json_that_reads_back(tmp_path: Path) -> None:
     assert main(["measure", "mlp", "--set", "widths=(8, 16, 8)", "--plan", str(plan_path), "--steps", "1"]) == 1
 
 
+def test_split_profiles_and_plans_each_layers_children(tmp_path: Path) -> None:
+    # --split: remat.blocks(model, split=True), so a plan written by `plan` fits the model `measure` builds.
+    prof_path, plan_path = tmp_path / "profile.json", tmp_path / "plan.json"
+    assert main(["profile", *MLP, "--split", "--repeats", "1", "--out", str(prof_path)]) == 0
+    prof = Profile.from_json(prof_path.read_text())
+    w = load_workload("mlp", MLP[1:][1::2])
+    from remat.blocks import blocks
+
+    assert [b.name for b in prof.blocks] == [b.name for b in blocks(w.model, split=True)]
+    assert len(prof.blocks) > 5
+    assert main(["plan", *MLP, "--split", "--budget", "85%", "--out", str(plan_path)]) == 0
+    plan = Plan.from_json(plan_path.read_text())
+    assert [b.name for b in plan.blocks] == [b.name for b in prof.blocks]
+    assert main(["measure", *MLP, "--plan", str(plan_path), "--steps", "1", "--out", str(tmp_path / "m.json")]) == 0
+
+
 def test_user_factory(tmp_path: Path) -> None:
     assert (
         main(

@@ -202,3 +202,23 @@ def test_loop_options_and_files(small_mlp: Workload) -> None:
     old = json.loads(m.to_json())
     del old["loop"]
     assert Measurement.from_json(json.dumps(old)).loop == Loop(Grads.HELD, None)
+
+
+def test_frees_of_memory_held_before_the_step_are_not_counted() -> None:
+    # The CPU allocator keeps the size of every block allocated while a memory profiler runs, and
+    # reports its free in any later profiled session (a garbage collection freeing an older tensor,
+    # or a block at a reused address sized from that stale record). Such memory was held before the
+    # step: freeing it must not lower the step's level (it made profiles of a long session ~70 KB low).
+    held: list[torch.Tensor] = []
+    with torch.profiler.profile(profile_memory=True):
+        held.append(torch.empty(16384))  # 64 KiB, allocated under an earlier profiler session
+
+    def step() -> None:
+        held.clear()  # freed inside the step
+        x = torch.ones(1024)
+        del x
+
+    trace = record_memory(step, torch.device("cpu"))
+    assert min(trace.level_bytes) >= 0
+    assert trace.level_bytes[-1] == 0
+    assert trace.peak_bytes == 4096

@@ -9,6 +9,8 @@ from pathlib import Path
 from remat._progress import progress
 from remat.cli.common import (
     add_model_args,
+    add_split_arg,
+    block_options,
     check_budgets,
     check_model,
     check_positive,
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 def add_parser(p: argparse.ArgumentParser) -> None:
     """Arguments of ``remat bench``."""
     add_model_args(p)
+    add_split_arg(p)
     p.epilog = f"{p.epilog}\n\n{strategies_help()}"
     p.add_argument(
         "--budget",
@@ -88,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     w = load_workload(args.model, args.sizes)
     check_strategies_fit(strategies, w.model)  # blocks a strategy names, before the profile
     with console.status(f"profiling {w.description}"):
-        prof = run_profile(w.model, w.inputs, w.loss_fn, **loop_options(args))
+        prof = run_profile(w.model, w.inputs, w.loss_fn, **block_options(args, w.model), **loop_options(args))
     note_high_budgets(args.budget, prof)
     plans = bench_plans(prof, strategies, args.budget, skipped=say_skipped)
     with progress(None, len(plans) + args.rounds, "bench") as tick:

@@ -130,6 +130,21 @@ OPTIMIZERS: dict[str, Any] = {
 }
 
 
+def add_split_arg(parser: ArgumentParser) -> None:
+    """``--split``: profile each block's children as blocks (``remat.blocks(model, split=True)``)."""
+    parser.add_argument(
+        "--split",
+        action="store_true",
+        help="each layer's children as blocks (remat.blocks(model, split=True)): segments can then end right "
+        "after a projection, recomputing only the cheap ops before it",
+    )
+
+
+def block_options(args: argparse.Namespace, model: torch.nn.Module) -> dict[str, Any]:
+    """The ``blocks=`` keyword of ``remat.profile`` for ``args`` (``--split``), or none (the default blocks)."""
+    return {"blocks": find_blocks(model, split=True)} if getattr(args, "split", False) else {}
+
+
 def loop_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ``grads=`` and ``optimizer=`` keywords of profile / measure / timeline / bench for ``args``."""
     return {

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from remat.cli.common import (
     add_model_args,
+    add_split_arg,
+    block_options,
     check_budgets,
     check_model,
     console,
@@ -29,6 +31,7 @@ HELP = "solve for the fastest plan under a memory budget and show it (no trainin
 def add_parser(p: argparse.ArgumentParser) -> None:
     """Arguments of ``remat plan``."""
     add_model_args(p)
+    add_split_arg(p)
     p.add_argument("--budget", required=True, help="bytes ('1.5GiB') or share of the unplanned peak ('40%%')")
     p.add_argument("--solver", default="optimal", choices=list(SOLVERS), help="default optimal")
     p.add_argument("--profile", type=Path, default=None, help="read this profile.json instead of profiling")
@@ -50,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         w = load_workload(args.model, args.sizes)
         with console.status(f"profiling {w.description}"):
-            prof = run_profile(w.model, w.inputs, w.loss_fn, **loop_options(args))
+            prof = run_profile(w.model, w.inputs, w.loss_fn, **block_options(args, w.model), **loop_options(args))
     note_high_budgets([args.budget], prof)
     chosen = make_plan(prof, args.budget, solver=args.solver)
     console.print(plan_tree(chosen))

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from remat.cli.common import (
     add_model_args,
+    add_split_arg,
+    block_options,
     check_model,
     check_positive,
     console,
@@ -23,6 +25,7 @@ HELP = "measure every block of a model on its batch (bytes saved, transients, ti
 def add_parser(p: argparse.ArgumentParser) -> None:
     """Arguments of ``remat profile``."""
     add_model_args(p)
+    add_split_arg(p)
     p.add_argument("--repeats", type=int, default=5, help="timed steps per block (median), default 5")
     p.add_argument(
         "--out", type=Path, default=Path("profile.json"), help="where to write the profile (default profile.json)"
@@ -39,7 +42,9 @@ def run(args: argparse.Namespace) -> int:
     """Profile the model, print the table, write the JSON."""
     w = load_workload(args.model, args.sizes)
     with console.status(f"profiling {w.description}"):
-        prof = run_profile(w.model, w.inputs, w.loss_fn, repeats=args.repeats, **loop_options(args))
+        prof = run_profile(
+            w.model, w.inputs, w.loss_fn, repeats=args.repeats, **block_options(args, w.model), **loop_options(args)
+        )
     console.print(profile_table(prof))
     write_file(args.out, prof.to_json())
     console.print(f"wrote {args.out}")

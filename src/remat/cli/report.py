@@ -13,6 +13,8 @@ from pathlib import Path
 from remat.cli.bench import say_skipped
 from remat.cli.common import (
     add_model_args,
+    add_split_arg,
+    block_options,
     check_budgets,
     check_model,
     check_positive,
@@ -30,6 +32,7 @@ HELP = "write an HTML report (plots embedded), a Markdown summary and plan.json 
 def add_parser(p: argparse.ArgumentParser) -> None:
     """Arguments of ``remat report``."""
     add_model_args(p)
+    add_split_arg(p)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--budget", help="bytes ('1.5GiB') or share of the unplanned peak ('40%%')")
     source.add_argument(
@@ -88,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         w = load_workload(args.model, args.sizes)
         with console.status(f"profiling {w.description}"):
-            prof = run_profile(w.model, w.inputs, w.loss_fn, **loop_options(args))
+            prof = run_profile(w.model, w.inputs, w.loss_fn, **block_options(args, w.model), **loop_options(args))
         note_high_budgets([args.budget], prof)
         data = collect(
             w.model,

@@ -294,8 +294,23 @@ def _profiled(step: Callable[[], Any], device: torch.device) -> _Events:
         raise RematError("measure: the profiler lost remat's step markers; run with no other profiler active")
     t0 = times["step_start"]
     allocs.sort()
+    # Only frees of blocks the step itself allocated. The CPU allocator sizes a free from a table that
+    # it fills only while a memory profiler runs and never cleans outside one: a block allocated in an
+    # earlier profiled session (freed now by the garbage collector), or a block now at an address such
+    # a block once had (sized from that stale record), would show as a free of memory held before the
+    # step and drop the level below its start; the allocator drops every other such free already.
+    live: set[int] = set()
+    ours = []
+    for t, ptr, size in allocs:
+        if size > 0:
+            live.add(ptr)
+        elif ptr in live:
+            live.discard(ptr)
+        else:
+            continue
+        ours.append((t, ptr, size))
     return _Events(
-        allocs=[(t - t0, ptr, size) for t, ptr, size in allocs],
+        allocs=[(t - t0, ptr, size) for t, ptr, size in ours],
         marks=[(n, t - t0) for n, t in marks if n not in ("step_start", "step_end")],
         duration_ns=times["step_end"] - t0,
     )
