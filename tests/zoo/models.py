@@ -842,9 +842,16 @@ class ZooRun:
     """
 
     def __init__(
-        self, builders: Mapping[str, Callable[[], Case]], *, repeats: int = 1, seed: int = 0, grads: str = "none"
+        self,
+        builders: Mapping[str, Callable[[], Case]],
+        *,
+        repeats: int = 1,
+        seed: int = 0,
+        grads: str = "none",
+        split: bool = False,
     ) -> None:
         self.builders = builders
+        self.split = split  # each layer's children as blocks (remat.blocks(model, split=True))
         self.repeats = repeats
         self.seed = seed
         self.grads = grads  # the loop the profile (and so every budget) describes
@@ -857,7 +864,12 @@ class ZooRun:
             case = self.builders[name]()
             try:
                 self._profiles[name] = remat.profile(
-                    case.model, case.inputs, case.loss_fn, repeats=self.repeats, grads=self.grads
+                    case.model,
+                    case.inputs,
+                    case.loss_fn,
+                    blocks=remat.blocks(case.model, split=self.split),
+                    repeats=self.repeats,
+                    grads=self.grads,
                 )
             except Exception as e:  # recorded: a RematError refuses the cells that need a profile
                 self._profiles[name] = e
@@ -883,7 +895,7 @@ class ZooRun:
         before = _state(case.model)
         applied: Plan | None = None
         try:
-            blocks = prof.blocks if prof is not None else remat.blocks(case.model)
+            blocks = prof.blocks if prof is not None else remat.blocks(case.model, split=self.split)
             target = cell.target(blocks, prof)
             applied = remat.apply(case.model, target)
             step = run_step(case, self.seed)

@@ -63,3 +63,17 @@ def test_profile_accepts(zoo: ZooRun, name: str) -> None:
 def test_plan_is_exact_or_refused(zoo: ZooRun, name: str, label: str) -> None:
     outcome = zoo.judge(name, CELLS[label])
     assert outcome.ok, f"{name} x {label}: {outcome.text}"
+
+
+@pytest.fixture(scope="module")
+def zoo_split() -> ZooRun:
+    return ZooRun(ZOO, split=True)
+
+
+@pytest.mark.parametrize("label", ["full", "segments(2)", "optimal 50%", "optimal min"])
+@pytest.mark.parametrize("name", ZOO)
+def test_split_blocks_are_exact_or_refused(zoo_split: ZooRun, name: str, label: str) -> None:
+    # Each layer's children as blocks (remat.blocks(model, split=True)): segments now start and end
+    # inside layers, next to the model's own code between the children (residual adds, hooks, kwargs).
+    outcome = zoo_split.judge(name, CELLS[label])
+    assert outcome.ok, f"{name} x {label} (split): {outcome.text}"

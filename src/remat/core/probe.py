@@ -60,6 +60,26 @@ def storages(obj: Any, exclude: set[int]) -> dict[int, int]:
     return out
 
 
+def _storage_refs(obj: Any, exclude: set[int]) -> dict[int, weakref.ref[torch.UntypedStorage]]:
+    """Storage data pointer -> weak reference to the storage, for every tensor in ``obj`` not in ``exclude``.
+
+    A pointer alone does not name a storage over time: the allocator hands a freed block's address to
+    the next allocation of its size (a ReLU's output where a norm's output was), and a storage's weak
+    reference dies with it (torch keeps one Python object per live storage).
+    """
+    out: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+    for leaf in tree_leaves(obj):
+        if isinstance(leaf, torch.Tensor):
+            try:
+                st = leaf.untyped_storage()
+                ptr = st.data_ptr()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if ptr and ptr not in exclude:
+                out[ptr] = weakref.ref(st)
+    return out
+
+
 def _plain_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     # Buffers other than the running statistics of norms, which remat restores around recomputation.
     for prefix, sub in module.named_modules():
@@ -92,9 +112,11 @@ class Probe:
         self.unlinked = [0] * n  # bytes of the inputs that made a block not linked
         self._unlinked_storages: list[dict[int, int]] = [{} for _ in range(n)]  # their storages: ptr -> bytes
         self._prev_outs: list[tuple[weakref.ref[torch.Tensor], int]] = []
-        self._prev_inputs: set[int] = set()
-        self._seen: set[int] = set()
-        self._seen_before_prev: set[int] = set()
+        # Storages (pointer -> weak reference, see _storage_refs) of the previous block's inputs, of every
+        # block input and output so far, and of those seen before the previous block started.
+        self._prev_inputs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._seen: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._seen_before_prev: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         # Stateful forwards (BlockProfile.stateful): buffers before each block's forward.
         self.stateful: list[tuple[str, ...]] = [()] * n
         self._buffers_before: dict[int, dict[str, tuple[torch.Tensor, int, torch.Tensor]]] = {}
@@ -147,7 +169,7 @@ class Probe:
                     (weakref.ref(t), t._version) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
                 ]
                 if self.track:
-                    self._seen |= set(self.outputs[slot])
+                    self._seen.update(_storage_refs(out, self.params))
                 for t in tree_leaves(out):
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         self.tensor_handles.append(t.register_hook(self._once(Event.BACKWARD, index)))
@@ -167,18 +189,21 @@ class Probe:
                 if not isinstance(t, torch.Tensor) or (id(t) in outs and outs[id(t)] == t._version):
                     continue
                 try:
-                    ptr = t.untyped_storage().data_ptr()
+                    st = t.untyped_storage()
+                    ptr = st.data_ptr()
                 except (RuntimeError, NotImplementedError):
                     continue
-                if ptr not in allowed and ptr not in self.params:
+                ref = allowed.get(ptr)
+                older = ref is not None and ref() is st  # the same storage, not a new one at a freed address
+                if not older and ptr not in self.params:
                     ok = False
                     self.unlinked[index] += t.untyped_storage().nbytes()
                     self._unlinked_storages[index][ptr] = t.untyped_storage().nbytes()
         self.linked[index] = ok
-        self._seen_before_prev = set(self._seen)
-        mine = set(storages((args, kwargs), self.params))
+        self._seen_before_prev = dict(self._seen)
+        mine = _storage_refs((args, kwargs), self.params)
         self._prev_inputs = mine
-        self._seen |= mine
+        self._seen.update(mine)
 
     def unsaved_unlinked(self, index: int) -> int:
         """Bytes of block ``index``'s unlinked inputs that its own forward does not save (tracked runs).
