@@ -108,3 +108,21 @@ def test_solvers_are_registry_objects_and_messages_list_the_registry(monkeypatch
         RematError, match=r"frontier: unknown solver 'greedy'; valid solvers are optimal, knapsack, compile, single"
     ):
         remat.frontier(prof, solver="greedy")
+
+
+def test_a_plan_predicted_above_its_budget_is_never_returned(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Should a solver's tables ever disagree with the simulation (a variant's costs), plan() checks the
+    # prediction: here a broken solver proposes keeping everything, far above the budget.
+    from remat.core.ops import Keep
+
+    class Broken(Solver):
+        def solve(self, profile, chain, headroom, *, slots=None):  # type: ignore[no-untyped-def]
+            return tuple(Keep(i) for i in range(chain.n))
+
+    prof = fake_profile([5, 50, 20, 80], [1.0, 2.0, 1.0, 2.0])
+    monkeypatch.setitem(planner.SOLVERS, "broken", Broken("broken", nests=True, sub_variants=False))
+    plan = remat.plan(prof, 220, solver="broken")  # its lowest-peak plan instead, which fits
+    assert plan.predicted_peak_bytes is not None and plan.predicted_peak_bytes <= 220
+    assert plan.ops != tuple(Keep(i) for i in range(4))
+    with pytest.raises(BudgetInfeasibleError, match="smallest"):
+        remat.plan(prof, plan.predicted_peak_bytes - 1, solver="broken")

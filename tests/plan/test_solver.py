@@ -63,6 +63,11 @@ def random_chain(rng: np.random.Generator, n: int, hi: int, *, negative_keep: bo
         ckpt_state_bytes=int(rng.choice([0, 1, 3])),
         # An input the plain step frees right after its block (a block that does not save its input).
         freed_input_bytes=tuple(int(v) for v in rng.integers(0, hi // 2 + 1, n + 1) * rng.integers(0, 2, n + 1)),
+        # Of a negative gap, what a segment ending at the block frees too (Chain.released_bytes).
+        released_bytes=tuple(int(v) for v in rng.integers(0, hi // 2 + 1, n + 1) * rng.integers(0, 2, n + 1)),
+        # Activation gradients pending when each block's backward starts (a segment ending there replays above them).
+        pending_grad_bytes=tuple(int(v) for v in rng.integers(0, hi // 2 + 1, n + 1) * rng.integers(0, 2, n + 1))[:n]
+        + (0,),
     )
 
 

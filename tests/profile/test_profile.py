@@ -234,3 +234,20 @@ def test_an_input_made_between_blocks_at_a_freed_address_is_not_linked() -> None
             model(x).sum().backward()
         linked.append(tracked.linked[2])
     assert not any(linked)
+
+
+def test_draws_between_blocks_are_seen_and_not_joined_across() -> None:
+    # A segment's recording keeps one RNG state, and another only for a call after the model's own code
+    # drew random numbers (runtime._Frame.end_rng): the per-op profile sees those draws, the chain
+    # charges the copy and the solvers do not join segments across such a boundary.
+    from tests.zoo.models import ZOO
+
+    for name, between in (("dropout_between", True), ("dropout", False)):
+        case = ZOO[name]()
+        prof = remat.profile(case.model, case.inputs, case.loss_fn, repeats=1)
+        fresh = [b.fresh_rng for b in prof.block_profiles]
+        assert fresh[1:] == [between] * (len(fresh) - 1), (name, fresh)
+        chain = chain_of(prof)
+        assert chain.rng_copy_bytes[1:-1] == (prof.ckpt_state_bytes if between else 0,) * (len(fresh) - 1)
+        if between:
+            assert not any(chain.joinable[:-2])

@@ -44,8 +44,10 @@ def test_budgets_hold_and_predictions_match(name: str, split: bool) -> None:
         if plan.budget_bytes is not None:
             assert measured <= 1.05 * plan.budget_bytes, (name, plan.describe(), measured, plan.budget_bytes)
         ratio = measured / plan.predicted_peak_bytes
-        # segments(2) on split blocks runs one segment across many boundaries where the model hands a
-        # block's output to a later block than the next (a dropout between): each is charged as held,
-        # though inside one segment it is not (0.64 on frozen_bottom's 16-block segment).
-        lowest = 0.60 if split and plan.strategy.startswith("segments") else 0.70
+        # segments(2) runs one long segment: on split blocks across many boundaries where the model hands
+        # a block's output to a later block than the next (a dropout between), each charged as held though
+        # inside one segment it is not (0.64 on frozen_bottom's 16-block segment); and its replay runs
+        # above the gradients pending at its last block, held through its inner backward too, where kept
+        # blocks count them again (0.64 on hidden_states, whose loss reads every hidden state).
+        lowest = 0.60 if plan.strategy.startswith("segments") else 0.70
         assert lowest <= ratio <= 1.10, (name, plan.describe(), measured, plan.predicted_peak_bytes)

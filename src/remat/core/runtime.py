@@ -59,7 +59,11 @@ a member *stateful*: ``apply`` refuses to recompute it unless ``allow_stateful=T
 forward keeps in Python attributes is invisible to remat). A member that edits one of its tensor
 arguments in place is refused (its replay would edit it again). On the learning call a refusal puts
 back every buffer, argument and the RNG state first.
-Random draws follow the same scheme. The default generators' states are recorded per call (above);
+Random draws follow the same scheme. The default generators' states are recorded per call (above):
+the CPU state at a recording's first call, and again only at a call before which the model's own code
+drew random numbers (a dropout between blocks); a call that finds the state where the previous call
+left it keeps no copy, and its replay goes on from where the previous call's replay left the
+generator (``_Frame.end_rng``; the profile charges a copy per such call, ``BlockOps.fresh_rng``);
 a member that draws from a generator of its own (``torch.bernoulli(p, generator=self.g)``) is found
 on the learning call (a dispatch mode sees the op's ``generator`` argument), and from then on each
 call keeps that generator's state too, which its replay sets, putting the generator back to where it
@@ -220,14 +224,15 @@ def _snapshot(obj: Any) -> dict[str, Any] | None:
 
 @dataclass(eq=False)
 class _RngState:
-    cpu: torch.Tensor
+    cpu: torch.Tensor | None  # None: where the previous call of the recording left it (no draw in between)
     cuda: dict[int, torch.Tensor] = field(default_factory=dict)
     # The member's own generators (``torch.bernoulli(p, generator=self.g)``): id -> (generator, state).
     generators: dict[int, tuple[torch.Generator, torch.Tensor]] = field(default_factory=dict)
 
     def set(self) -> None:
         """Put every generator this state covers back to it."""
-        torch.set_rng_state(self.cpu)
+        if self.cpu is not None:
+            torch.set_rng_state(self.cpu)
         for dev, st in self.cuda.items():
             torch.cuda.set_rng_state(st, dev)
         for gen, st in self.generators.values():
@@ -311,6 +316,10 @@ class _Frame:
         self.recomputed: dict[int, weakref.WeakKeyDictionary[_Handle, torch.Tensor]] = {}
         self.counter: dict[int, int] = {}
         self.done: set[int] = set()
+        # The CPU RNG state right after the last recorded call, while the recording goes on: a call that
+        # finds it unchanged (no draw in the model's code between) keeps no copy; its replay goes on from
+        # the state the previous call's replay leaves (NOTE [ State under recomputation ]).
+        self.end_rng: torch.Tensor | None = None
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -345,6 +354,8 @@ class _Frame:
         if external:
             dummy = torch.empty((0,), requires_grad=True)
             saver = _SaveInputs.apply(dummy, *external)
+        if self.calls and self.end_rng is not None and rng.cpu is not None and torch.equal(rng.cpu, self.end_rng):
+            rng = _RngState(None, rng.cuda, rng.generators)
         self.calls.append(_Call(module, role, spec, slots, saver, rng, _autocast_state(), state, inner))
         return len(self.calls) - 1
 
@@ -726,9 +737,11 @@ def _invoke(
     state = guard.check(rng)
     if watch is not None:
         role.generators = tuple(gen for gen, _ in watch.found.values())
-    for frame, index in recorded:
+    end_rng = torch.get_rng_state() if any(pos + 1 < span.size for span, pos in spans) else None
+    for (frame, index), (span, position) in zip(recorded, spans):
         frame.calls[index].state = state
         frame.record_output(index, out)
+        frame.end_rng = end_rng if position + 1 < span.size else None  # the last member: no call follows
     return out
 
 

@@ -41,9 +41,12 @@ going on through k holds as they are, and ``us[k]`` (``unsaved_input_bytes``), t
 does not save itself: the plain step may free it in the gap after k (``x = 2 * y`` rebinding ``x``, so
 ``g[k]`` nets to nothing), while a segment starting at k holds it as its input, and ``gs[k]``
 (``generator_state_bytes``), the states of generators of the model's own that block k draws from,
-which a segment copies per call. A kept block holds ``S'[k] = S[k] + g[k]``; a segment ``a..b-1`` holds
+which a segment copies per call, and ``rel[k]`` (``released_bytes``), the part of a negative ``g[k]`` that
+is none of the inputs a segment ending at k holds (a tensor the model's code held from earlier blocks,
+GPT-2's ``attn_output``; the block's output that a residual sum replaces): the gap frees it under a
+segment too. A kept block holds ``S'[k] = S[k] + g[k]``; a segment ``a..b-1`` holds
 ``H(a, b) = x[b] + c + us[a] + sum(max(g[q], 0) + pin[q] + gs[q] for q in a..b-1) + sum(pout[q] + re[q]
-for q in a..b-2) + sum(un[q] for q in a+1..b-1)`` (``Chain.segment_bytes``).
+for q in a..b-2) + sum(un[q] for q in a+1..b-1) - rel[b-1]`` (``Chain.segment_bytes``).
 
 Memory is simulated (``remat.plan.simulate``) with a level ``L`` starting at ``base_bytes``:
   forward   Keep(k):            peak L + fp[k];  L += S'[k]
@@ -62,7 +65,10 @@ blocks'); ``chain_of`` adds ``fi[k]`` (``freed_input_bytes``: the input the plai
 block k, ``-g[k]`` when negative: under autocast a block saves the bf16 copy of its input, not the input)
 so that charging it from ``S'`` is never low, and errs by ``max(g[k], 0)`` on the safe side. A
 checkpoint holds its first block's input to the end of its backward, so a ``Recompute(a, b, I)`` runs
-``I`` (replay and backward) ``fi[a]`` higher. Gradients accumulate: a
+``I`` (replay and backward) ``fi[a]`` higher; and it replays when the backward reaches block ``b - 1``,
+above the activation gradients pending then (``pg[b - 1]``, ``pending_grad_bytes``), which ``bp`` of a
+kept block includes but a replay's forward peaks do not: ``I`` runs ``pg[b - 1]`` higher too (its
+backward as well, on the safe side: a kept block's ``bp`` counts its own pending gradients again). Gradients accumulate: a
 block's backward, and a recomputation, run above every gradient allocated before them (a segment's
 replay runs after the blocks after it made theirs). The solvers only
 put several blocks in one segment across boundaries where nothing is held between them
@@ -141,6 +147,15 @@ class Chain:
             whose gap is the head's, its input less what it saves of it). ``bwd_peak_bytes`` is charged
             from the level without them (the input is gone by the block's backward), and a segment
             starting at the block holds them through its replay and backward (default 0).
+        released_bytes: The part of each block's negative gap that is none of the inputs a segment ending
+            with it holds: freed under the segment too (default 0; see :func:`_released`).
+        pending_grad_bytes: Bytes of activation gradients pending when each block's backward starts (the
+            gradient of its output, a hidden state's the loss reads), above the level the simulator
+            tracks; a segment ending with the block replays above them, and holds them (on the safe side)
+            through its inner plan's backward too (default 0; ``BlockProfile.pending_grad_bytes``).
+        rng_copy_bytes: Bytes of the RNG state a segment going on through each block keeps for its call,
+            beyond the one every checkpoint keeps (``ckpt_state_bytes`` where the model's code before the
+            block drew random numbers, ``BlockProfile.fresh_rng``; such a boundary is not joinable; default 0).
         joinable: Whether a segment may go on from each block into the next one holding nothing that
             the chain model leaves out (``BlockProfile.chainable`` and the next block linked); the
             solvers put several blocks in one segment only across joinable boundaries (default all ``True``).
@@ -172,6 +187,9 @@ class Chain:
     unsaved_input_bytes: tuple[int, ...] = ()
     generator_state_bytes: tuple[int, ...] = ()
     freed_input_bytes: tuple[int, ...] = ()
+    released_bytes: tuple[int, ...] = ()
+    pending_grad_bytes: tuple[int, ...] = ()
+    rng_copy_bytes: tuple[int, ...] = ()
     recomputable: tuple[bool, ...] = ()
     grad_bytes: tuple[int, ...] = ()
     joinable: tuple[bool, ...] = ()
@@ -180,6 +198,7 @@ class Chain:
     _inside: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _before_last: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _unlinked: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _rng_copies: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.joinable:
@@ -194,6 +213,9 @@ class Chain:
             "generator_state_bytes",
             "stop_ms",
             "freed_input_bytes",
+            "released_bytes",
+            "pending_grad_bytes",
+            "rng_copy_bytes",
             "grad_bytes",
         ):
             if not getattr(self, name):
@@ -220,6 +242,7 @@ class Chain:
         object.__setattr__(self, "_inside", tuple(itertools.accumulate(inside, initial=0)))
         object.__setattr__(self, "_before_last", tuple(itertools.accumulate(before_last, initial=0)))
         object.__setattr__(self, "_unlinked", tuple(itertools.accumulate(map(int, self.unlinked_bytes), initial=0)))
+        object.__setattr__(self, "_rng_copies", tuple(itertools.accumulate(map(int, self.rng_copy_bytes), initial=0)))
 
     @property
     def n(self) -> int:
@@ -237,7 +260,9 @@ class Chain:
         # longer needed) may free nothing under a segment, which holds its first block's inputs (count
         # rises only); what is pinned; what a block's output pins or reuses, for all but the last block;
         # what is unlinked, for all but the first, and of the first's unlinked inputs what it does not
-        # save itself (prefix sums of __post_init__).
+        # save itself; an RNG state per later call after a draw (prefix sums of __post_init__); less what
+        # the gap after the last block frees that is none of that block's inputs (released_bytes: freed
+        # under the segment too).
         return (
             int(self.x_bytes[stop])
             + int(self.unsaved_input_bytes[start])
@@ -248,7 +273,19 @@ class Chain:
             - self._before_last[start]
             + self._unlinked[stop]
             - self._unlinked[start + 1]
+            + self._rng_copies[stop]
+            - self._rng_copies[start + 1]
+            - int(self.released_bytes[stop - 1])
         )
+
+    def replay_hold_bytes(self, start: int, stop: int) -> int:
+        """How much higher than its blocks' ``S'`` the replay of a segment ``start..stop-1`` (and its
+        backward) runs, bytes: the first block's input that the checkpoint holds and the plain step frees
+        (``freed_input_bytes``), and for several blocks what the gap after the last one released
+        (``released_bytes``): ``segment_bytes`` no longer holds it, while the replayed last block's ``S'``
+        nets it once more (a single block's ``freed_input_bytes`` already makes up for its whole gap)."""
+        last = stop - 1
+        return int(self.freed_input_bytes[start]) + (int(self.released_bytes[last]) if last > start else 0)
 
 
 def _freed_inputs(profile: Profile) -> tuple[int, ...]:
@@ -261,9 +298,34 @@ def _freed_inputs(profile: Profile) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _released(profile: Profile, joinable: tuple[bool, ...]) -> tuple[int, ...]:
+    """Per block, the bytes its negative gap frees that no segment ending with it holds (``Chain.released_bytes``).
+
+    A segment holds its blocks' inputs (the first block's, and those made between blocks), and the plain
+    step may free those that the blocks do not save in the gap; anything else the gap frees, it frees under
+    the segment too: a tensor the model's code held from before (GPT-2's ``attn_output``, freed when the
+    layer returns), the block's output that a residual sum replaces. So of the negative gap, the inputs
+    that the blocks a segment ending here may start from (back to the last boundary the solvers do not
+    join across) do not save are kept, and the rest is released. Without the per-op profile (what each
+    block saves of its inputs) nothing is released.
+    """
+    bps, ops = profile.block_profiles, profile.block_ops
+    if len(ops) != len(bps):
+        return (0,) * len(bps)
+    out, unsaved = [], 0
+    for i, (b, o) in enumerate(zip(bps, ops, strict=True)):
+        unsaved = (unsaved if i and joinable[i - 1] else 0) + max(0, b.input_bytes - o.input_saved_bytes)
+        out.append(max(0, -b.gap_bytes - unsaved))
+    return tuple(out)
+
+
 def chain_of(profile: Profile) -> Chain:
     """The solver's view of a profile (NOTE [ Chain cost model ])."""
     bps = profile.block_profiles
+    joinable = tuple(
+        i + 1 >= len(bps) or (b.chainable and b.reused_bytes == 0 and bps[i + 1].linked and not bps[i + 1].fresh_rng)
+        for i, b in enumerate(bps)
+    )
     return Chain(
         fwd_ms=tuple(b.fwd_ms for b in bps) + (profile.head_ms,),
         bwd_ms=tuple(b.bwd_ms for b in bps) + (0.0,),
@@ -295,10 +357,10 @@ def chain_of(profile: Profile) -> Chain:
         unsaved_input_bytes=tuple(b.unsaved_input_bytes for b in bps) + (0,),
         generator_state_bytes=tuple(b.generator_state_bytes for b in bps) + (0,),
         freed_input_bytes=_freed_inputs(profile) + (0,),
+        released_bytes=_released(profile, joinable) + (0,),
+        pending_grad_bytes=tuple(b.pending_grad_bytes for b in bps) + (0,),
+        rng_copy_bytes=tuple(profile.ckpt_state_bytes if b.fresh_rng else 0 for b in bps) + (0,),
         recomputable=tuple(not b.stateful and not b.edits_input for b in bps) + (True,),
-        joinable=tuple(
-            i + 1 >= len(bps) or (b.chainable and b.reused_bytes == 0 and bps[i + 1].linked) for i, b in enumerate(bps)
-        )
-        + (True,),
+        joinable=joinable + (True,),
         grad_bytes=tuple(b.grad_bytes for b in bps) + (profile.head_grad_bytes,),
     )

@@ -365,7 +365,10 @@ def _held_inputs(profile: Profile, i: int) -> int:
     block's gap is the head's, so there the previous block's output that it does not save is charged.
     """
     bp = profile.block_profiles[i]
-    held = max(0, -bp.gap_bytes) + bp.unsaved_input_bytes
+    # Of a negative gap, only the block's inputs that it does not save (the rest is freed anyway:
+    # Chain.released_bytes).
+    unsaved_inputs = max(0, bp.input_bytes - profile.block_ops[i].input_saved_bytes)
+    held = min(max(0, -bp.gap_bytes), unsaved_inputs) + bp.unsaved_input_bytes
     if i == len(profile.block_profiles) - 1 and i > 0:
         unsaved = profile.block_profiles[i - 1].own_output_bytes - profile.block_ops[i].input_saved_bytes
         held = max(held, unsaved)

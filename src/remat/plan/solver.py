@@ -236,8 +236,13 @@ class _Simulator:
         if isinstance(op, Recompute):
             self.extra_ms += float(c.ckpt_call_ms)
             for q in range(op.start, op.stop):
-                # What the segment already holds from its earlier blocks (NOTE [ Chain cost model ]).
-                held = c.segment_bytes(op.start, q) - c.x_bytes[q] - c.ckpt_state_bytes if q > op.start else 0
+                # What the segment already holds from its earlier blocks (NOTE [ Chain cost model ]; what
+                # the gap after block q-1 released is not credited here, as in the solvers' nosave).
+                held = (
+                    c.segment_bytes(op.start, q) + int(c.released_bytes[q - 1]) - c.x_bytes[q] - c.ckpt_state_bytes
+                    if q > op.start
+                    else 0
+                )
                 self._rise(c.ckpt_state_bytes + c.fwd_peak_bytes[q] + (c.x_bytes[q] if q > op.start else 0) + held)
                 # The no-save run costs ckpt_fwd_ms; the plain forward counted once is then not run.
                 self.extra_ms += float(c.ckpt_fwd_ms[q]) - (0.0 if replay else float(c.fwd_ms[q]))
@@ -256,10 +261,13 @@ class _Simulator:
             freed = int(self.chain.out_free_bytes[op.stop - 1])
             # The checkpoint holds the segment's input through the replay and its backward, where the
             # replayed first block's gap (a plain step's) would free it: hold it back.
-            hold = int(self.chain.freed_input_bytes[op.start])
-            self.level += hold
+            # And it replays above the activation gradients pending when the backward reaches its last block.
+            hold = self.chain.replay_hold_bytes(op.start, op.stop)  # (what the last block's gap released)
+            pending = int(self.chain.pending_grad_bytes[op.stop - 1])
+            self.level += hold + pending  # the replay runs when the backward reaches the last block
             for i, inner_op in enumerate(op.inner):
                 self.forward(inner_op, replay=True, discard=freed if i == last else 0)
+            self.level -= pending  # a kept block's bp counts the gradients pending at its own backward
             # The replay stops after the last block's last saved tensor (torch's early stop).
             self.extra_ms -= float(self.chain.stop_ms[op.stop - 1])
             for i in range(last, -1, -1):
@@ -351,7 +359,9 @@ class _Table:
     slack: list[int]  # m units at block s stand for at least m * u + slack[s] bytes
     grads_after: list[int]  # grads_after[j] = G[j] + ... + G[n] (0 for j = n + 1)
     nosave_bytes: npt.NDArray[np.int64]  # [s, k]: nosave(s, k) + ckpt_state_bytes (0 where blocked)
-    hold_units: list[int]  # checkpoint s..k-1: its inner plan also runs above s's freed input
+    hold_units: list[list[int]]  # [s][k]: checkpoint s..k-1: its inner plan runs above Chain.replay_hold_bytes
+    pending: list[int]  # pending[t]: gradients pending when t's backward starts; s..t (t < n) is a replay's
+    # inner plan, whose forward runs above them
 
     def shift_index(self, m: int, units: int) -> int:
         """Index of ``opt(·, ·, m - units)`` in the table (clamped at the top), or -1 if below 0."""
@@ -365,11 +375,11 @@ class _Table:
     def keep_ok(self, s: int, t: int, way: _Way) -> int:
         """Units of ``m`` needed to keep ``s`` (this way) before blocks ``s+1..t``: its forward runs above the
         gradients of the blocks after ``t`` (NOTE [ Gradients in the program ])."""
-        return max(self.units_for(way[2] + self.grads_after[t + 1], s), way[3])
+        return max(self.units_for(way[2] + self.grads_after[t + 1] + self.pending[t], s), way[3])
 
     def nosave_ok(self, s: int, t: int, k: int) -> int:
         """Units of ``m`` needed for the no-save forward of ``s..k-1`` in ``(s, t)``."""
-        return self.units_for(int(self.nosave_bytes[s, k]) + self.grads_after[t + 1], s)
+        return self.units_for(int(self.nosave_bytes[s, k]) + self.grads_after[t + 1] + self.pending[t], s)
 
     def keep_choice(self, s: int, t: int, m: int, value: float) -> tuple[VariantId | _TopOnly | None, int] | None:
         """The first way of keeping ``s`` that reproduces ``value`` at ``(s, t, m)``, and the next ``m``."""
@@ -424,7 +434,12 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
     held = _held(chain)
     rest_units = [_ceil_div(held[k] + slack[k], u) for k in range(n + 1)]
     inner_units = [_ceil_div(held[k], u) for k in range(n + 1)]
-    hold_units = [_ceil_div(int(chain.freed_input_bytes[s]), u) for s in range(n + 1)]
+    hold_units = [
+        [_ceil_div(chain.replay_hold_bytes(s, k), u) if k > s else 0 for k in range(n + 2)] for s in range(n + 1)
+    ]
+    # A range s..t with t < n is only ever the inner plan of a checkpoint ending at t (or part of one):
+    # its forwards run in the replay, above the gradients pending at t's backward; its backwards do not.
+    pending = [int(v) for v in chain.pending_grad_bytes[:n]] + [0]  # the top level (t = n) is no replay
     # NOTE [ Gradients in the program ]: m is headroom above the entry level less the gradients of
     # the blocks after t; a backward needs them, a forward of s..t runs above those of blocks after t.
     after = _grads_after(chain)
@@ -439,7 +454,8 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
             # Kept before s+1..t, its backward runs above their gradients: t drops out (grads_after[s+1]).
             bwd_ok = _ceil_div(keep + bwd_peak + after[s + 1] - slack[s], u)
             freed = int(chain.out_free_bytes[s]) if s < n else 0  # the last block of a recomputed range
-            last_ok = _ceil_div(max(fwd_peak, keep - freed + bwd_peak) + after[s + 1] - slack[s], u)
+            # As the last block of s..t (t = s): its forward in a replay runs above pending[s].
+            last_ok = _ceil_div(max(fwd_peak + pending[s], keep - freed + bwd_peak) + after[s + 1] - slack[s], u)
             ways.append((fqns, units, int(fwd_peak), bwd_ok, last_ok, float(f[s]) + float(b[s]) + extra))
         kept.append(ways)
     # Negative sizes give headroom back; widen the table by as much so that is not lost to clamping.
@@ -450,7 +466,20 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
     shifted = np.full((n + 1, n + 1, size), _INF)
     nosave_bytes = np.zeros((n + 1, n + 1), dtype=np.int64)
     table = _Table(
-        n, size, opt, shifted, rest_units, inner_units, kept, nested, u, slack, after, nosave_bytes, hold_units
+        n,
+        size,
+        opt,
+        shifted,
+        rest_units,
+        inner_units,
+        kept,
+        nested,
+        u,
+        slack,
+        after,
+        nosave_bytes,
+        hold_units,
+        pending,
     )
     scratch = np.empty((n + 1, size))
     best, cand, least = np.empty(size), np.empty(size), np.empty(size)  # reused rows (see _shift)
@@ -475,10 +504,10 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
                 hi = t + 1 if nested else s + 2
                 buf = scratch[: hi - s - 1]
                 np.add(shifted[t, s + 1 : hi], shifted[s, s + 1 : hi], out=buf)
-                if after[t + 1]:
+                if after[t + 1] or pending[t]:
                     # W[s, k] is cut where the no-save forward does not fit with no gradients held; here
                     # it runs above those of the blocks after t (NOTE [ Gradients in the program ]).
-                    need = -((slack[s] - after[t + 1] - nosave_bytes[s, s + 1 : hi]) // u)
+                    need = -((slack[s] - after[t + 1] - pending[t] - nosave_bytes[s, s + 1 : hi]) // u)
                     lim = int(min(size, max(0, int(need.max()))))
                     if lim:
                         np.copyto(buf[:, :lim], _INF, where=columns[None, :lim] < need[:, None])
@@ -504,7 +533,7 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
                 nosave = int(max(int(chain.fwd_peak_bytes[s]), later)) + int(chain.ckpt_state_bytes)
                 nosave_bytes[s, t + 1] = nosave
                 # The checkpoint holds s's freed input through the inner plan (Chain.freed_input_bytes).
-                w = _shift(opt[s, t], inner_units[t + 1] + hold_units[s], shifted[s, t + 1])
+                w = _shift(opt[s, t], inner_units[t + 1] + hold_units[s][t + 1], shifted[s, t + 1])
                 # The replay of s..t stops after t's last saved tensor (Chain.stop_ms).
                 np.add(w, fsum + float(chain.ckpt_call_ms) - float(chain.stop_ms[t]), out=w)
                 w[: max(0, min(_ceil_div(nosave - slack[s], u), size))] = _INF
@@ -524,7 +553,7 @@ def _rebuild(table: _Table, s: int, t: int, m: int) -> tuple[Op, ...]:
             continue
         for k in table.candidates(s, t):
             if m >= table.nosave_ok(s, t, k) and table.shifted[t, k, m] + table.shifted[s, k, m] == value:
-                inner_m = table.shift_index(m, table.inner_units[k] + table.hold_units[s])
+                inner_m = table.shift_index(m, table.inner_units[k] + table.hold_units[s][k])
                 ops.append(Recompute(s, k, _rebuild(table, s, k - 1, inner_m)))
                 m, s = table.shift_index(m, table.rest_units[k]), k
                 break
@@ -618,6 +647,16 @@ def _held(chain: Chain) -> list[int]:
     ]
 
 
+def _hold_table(chain: Chain) -> npt.NDArray[np.int64]:
+    """``[s, k]``: what the replay of a checkpoint ``s..k-1`` runs above (``Chain.replay_hold_bytes``; 0 for ``k <= s``)."""
+    n = chain.n
+    out = np.zeros((n + 1, n + 1), dtype=np.int64)
+    for s in range(n):
+        for k in range(s + 1, n + 1):
+            out[s, k] = chain.replay_hold_bytes(s, k)
+    return out
+
+
 def _peak_ways(
     chain: Chain, variants: list[list[_Variant]]
 ) -> list[list[tuple[VariantId | _TopOnly | None, int, int, int, int]]]:
@@ -629,11 +668,20 @@ def _peak_ways(
     return out
 
 
-def _kept_peak(way: tuple[VariantId | _TopOnly | None, int, int, int, int], grads: int, rest: int) -> int:
+def _kept_peak(
+    way: tuple[VariantId | _TopOnly | None, int, int, int, int], grads: int, rest: int, pending: int = 0
+) -> int:
     """Peak of keeping a block (this way) before a range whose peak is ``rest`` and whose backward
-    allocates ``grads`` bytes of gradients, above the block's entry level."""
+    allocates ``grads`` bytes of gradients, above the block's entry level; its forward runs above
+    ``pending`` bytes (a replay's, see ``_peak_table``)."""
     _fqns, keep, fwd_peak, keep_bwd_peak, _last = way
-    return max(fwd_peak, keep_bwd_peak + grads, keep + rest)
+    return max(fwd_peak + pending, keep_bwd_peak + grads, keep + rest)
+
+
+def _last_peak(way: tuple[VariantId | _TopOnly | None, int, int, int, int], pending: int = 0) -> int:
+    """Peak of a block (this way) as the last of a range, its forward above ``pending`` bytes."""
+    _fqns, keep, fwd_peak, keep_bwd_peak, last = way
+    return max(last, fwd_peak + pending)
 
 
 def _peak_table(
@@ -653,16 +701,22 @@ def _peak_table(
                 running = max(running, int(chain.fwd_peak_bytes[k]) + int(chain.x_bytes[k]))
     # NOTE [ Gradients in the program ]: the backward of s..k-1 runs above the gradients of k..t.
     after = np.asarray(_grads_after(chain), dtype=np.int64)
+    pending = np.asarray(chain.pending_grad_bytes, dtype=np.int64)
+    hold = _hold_table(chain)
     peak = np.zeros((n + 1, n + 1), dtype=np.int64)
     for t in range(n + 1):
-        peak[t, t] = min(way[4] for way in ways[t] if _allowed(way[0], t, t, n))
+        # s..t with t < n runs as (part of) a replay's inner plan: its forwards above pending[t].
+        pend = int(pending[t]) if t < n else 0
+        peak[t, t] = min(_last_peak(way, pend) for way in ways[t] if _allowed(way[0], t, t, n))
         for s in range(t - 1, -1, -1):
             grads = int(after[s + 1] - after[t + 1])
-            best = min(_kept_peak(way, grads, int(peak[s + 1, t])) for way in ways[s] if _allowed(way[0], s, t, n))
+            best = min(
+                _kept_peak(way, grads, int(peak[s + 1, t]), pend) for way in ways[s] if _allowed(way[0], s, t, n)
+            )
             hi = t + 1 if nested else s + 2
             ks = slice(s + 1, hi)
-            inner = after[ks] - after[t + 1] + peak[s, s : hi - 1] + int(chain.freed_input_bytes[s])
-            cand = np.maximum(nosave[s, ks], x[ks] + np.maximum(peak[ks, t], inner))
+            inner = after[ks] - after[t + 1] + peak[s, s : hi - 1] + hold[s, ks]
+            cand = np.maximum(nosave[s, ks] + pend, x[ks] + np.maximum(peak[ks, t], inner))
             peak[s, t] = min(best, int(cand.min()))
     return peak, nosave
 
@@ -688,23 +742,25 @@ def min_peak_plan(
     n = chain.n
     x = _held(chain)  # what a checkpoint holds
     after = _grads_after(chain)
+    hold = _hold_table(chain)
 
     def build(s: int, t: int) -> tuple[Op, ...]:
         ops: list[Op] = []
+        pend = int(chain.pending_grad_bytes[t]) if t < n else 0
         while s < t:
             grads = after[s + 1] - after[t + 1]
             kept = [
                 way[0]
                 for way in ways[s]
-                if _allowed(way[0], s, t, n) and _kept_peak(way, grads, int(peak[s + 1, t])) == peak[s, t]
+                if _allowed(way[0], s, t, n) and _kept_peak(way, grads, int(peak[s + 1, t]), pend) == peak[s, t]
             ]
             if kept:
                 ops.append(_kept_op(s, kept[0]))
                 s += 1
                 continue
             for k in range(s + 1, t + 1 if nested else s + 2):
-                inner = after[k] - after[t + 1] + int(peak[s, k - 1]) + int(chain.freed_input_bytes[s])
-                if max(int(nosave[s, k]), int(x[k]) + max(int(peak[k, t]), inner)) == peak[s, t]:
+                inner = after[k] - after[t + 1] + int(peak[s, k - 1]) + int(hold[s, k])
+                if max(int(nosave[s, k]) + pend, int(x[k]) + max(int(peak[k, t]), inner)) == peak[s, t]:
                     ops.append(Recompute(s, k, build(s, k - 1)))
                     s = k
                     break
@@ -712,7 +768,10 @@ def min_peak_plan(
                 raise RematError(f"min_peak: internal error, no candidate reproduces P({s}, {t}) = {peak[s, t]}")
         if t < n:
             ops.append(
-                _kept_op(t, next(way[0] for way in ways[t] if _allowed(way[0], t, t, n) and way[4] == peak[t, t]))
+                _kept_op(
+                    t,
+                    next(w[0] for w in ways[t] if _allowed(w[0], t, t, n) and _last_peak(w, pend) == peak[t, t]),
+                )
             )
         return tuple(ops)
 

@@ -131,6 +131,9 @@ class BlockOps:
             output, which the next block may hold anyway (when it saves its input).
         generator_state_bytes: Bytes of the states of the generators other than the default ones that
             its ops draw from (``torch.bernoulli(p, generator=self.g)``), which a segment copies per call.
+        fresh_rng: Whether the model's code drew random numbers from the default generator between the
+            previous block's end and this block's start (a dropout between blocks): a segment's recording
+            keeps another copy of the RNG state for this block's call.
     """
 
     block: int
@@ -141,6 +144,7 @@ class BlockOps:
     stop: int
     outputs: tuple[int, ...] = ()
     generator_state_bytes: int = 0
+    fresh_rng: bool = False
     _index: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -171,6 +175,7 @@ class BlockOps:
             "stop": self.stop,
             "outputs": list(self.outputs),
             "generator_state_bytes": self.generator_state_bytes,
+            "fresh_rng": self.fresh_rng,
         }
 
     @classmethod
@@ -241,6 +246,7 @@ class _Run:
         self.stop = 0
         self.outputs: list[int] = []
         self.generators: dict[int, int] = {}  # its own generators drawn from: id -> bytes of the state
+        self.fresh_rng = False  # the model's code drew random numbers since the previous block ended
 
     def owner_of(self, ptr: int) -> int:
         return self.owner.get(ptr, EXTERNAL)
@@ -327,12 +333,15 @@ class _Recorder(TorchDispatchMode):
         self.runs: list[_Run | None] = [None] * n_blocks
         self.current: _Run | None = None
         self.current_index = -1
+        self.drew_outside = False  # a random op of the default generator ran outside the blocks
 
     def start(self, i: int, inputs: list[torch.Tensor]) -> None:
         # A block whose forward runs again in the same step (shared weights) is recorded the first time.
         if self.current is None and self.runs[i] is None:
             self.current = self.runs[i] = _Run(inputs)
             self.current_index = i
+            self.current.fresh_rng = self.drew_outside
+        self.drew_outside = False
 
     def end(self, i: int, out: Any) -> None:
         run = self.current
@@ -344,6 +353,7 @@ class _Recorder(TorchDispatchMode):
             if owner != EXTERNAL and owner not in run.outputs:
                 run.outputs.append(owner)
         self.current, self.current_index = None, -1
+        self.drew_outside = False
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if self.current is not None:
@@ -355,6 +365,9 @@ class _Recorder(TorchDispatchMode):
         run = self.current
         key = run.keys(func) if run is not None else None
         if run is None or key is None:
+            if run is None and torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+                gen = kwargs.get("generator")
+                self.drew_outside |= gen is None or gen is torch.default_generator
             return func(*args, **kwargs)
         cuda = [t.device for t in _tensors((args, kwargs)) if t.device.type == "cuda"]
         if cuda:
@@ -451,6 +464,7 @@ def _block_ops(block: Block, runs: list[_Run]) -> BlockOps:
         stop=first.stop,
         outputs=tuple(sorted(first.outputs)),
         generator_state_bytes=sum(first.generators.values()),
+        fresh_rng=first.fresh_rng,
     )
 
 

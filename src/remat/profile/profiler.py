@@ -319,6 +319,7 @@ def profile(
             unlinked_bytes=tracked.unlinked[i],
             unsaved_input_bytes=tracked.unsaved_unlinked(i),
             generator_state_bytes=block_ops[i].generator_state_bytes if block_ops else 0,
+            fresh_rng=block_ops[i].fresh_rng if block_ops else False,
         )
         for i, bp in enumerate(prof.block_profiles)
     )
@@ -607,6 +608,8 @@ def _assemble(
                 # rest of the difference (the gradient of its output) is then charged to every block's
                 # backward, where it is really held.
                 bwd_peak_bytes=trace.peak_between(b0, b1) - trace.level_at(f1) - grads_before,
+                # The same reference at the start of its backward: the activation gradients pending then.
+                pending_grad_bytes=max(0, trace.level_at(b0) - trace.level_at(f1) - grads_before),
                 fwd_ms=ms((Event.FORWARD, i), (Event.FORWARD_END, i)),
                 bwd_ms=ms((Event.BACKWARD, i), (Event.BACKWARD_END, i)),
                 # NOTE [ Measured checkpoint costs ]: what checkpointing the block adds beyond its plain

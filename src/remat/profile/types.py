@@ -50,6 +50,10 @@ class BlockProfile:
         bwd_peak_bytes: Peak rise during its backward above the level at its start, bytes.
         fwd_ms: Median forward time, milliseconds.
         bwd_ms: Median backward time, milliseconds.
+        pending_grad_bytes: How far the level is above the level after its forward (and the parameter
+            gradients allocated before its backward) when its backward starts: the gradient of its output
+            and any other activation gradient pending then. A segment ending with this block replays
+            above them (``bwd_peak_bytes`` includes them for a kept block).
         fwd_flops: Forward FLOPs (``torch.utils.flop_counter``).
         bwd_flops: Backward FLOPs.
         subs: Attention / FFN sub-modules of a mixed block.
@@ -80,6 +84,10 @@ class BlockProfile:
         generator_state_bytes: Bytes of the states of the generators of its own that its forward draws
             from (``torch.bernoulli(p, generator=self.g)``): a segment keeps a copy per call of it, to
             draw the same numbers in the replay (found by the per-op profile: 0 with ``ops=False``).
+        fresh_rng: Whether the CPU RNG state at its call differs from where the previous block's forward
+            left it (the model's code between them drew random numbers: a dropout between blocks): a
+            segment going on through this block keeps another copy of the state for its call
+            (``ckpt_state_bytes``); otherwise its replay goes on from the previous call's.
         linked: Whether its tensor inputs are the previous block's outputs or tensors that existed
             before the previous block started (then a segment across the boundary holds nothing
             more; always ``True`` for block 0).
@@ -119,10 +127,12 @@ class BlockProfile:
     unsaved_input_bytes: int = 0
     generator_state_bytes: int = 0
     linked: bool = True
+    fresh_rng: bool = False
     stateful: tuple[str, ...] = ()
     edits_input: bool = False
     grad_bytes: int = 0
     selective_ms: float | None = None
+    pending_grad_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.own_output_bytes < 0:  # profiles written before the field existed
