@@ -44,9 +44,8 @@ class Event(str, Enum):
 Callback = Callable[[Event, int], None]
 
 
-def storages(obj: Any, exclude: set[int]) -> dict[int, int]:
-    """Storage data pointer -> bytes of every tensor in ``obj`` (a pytree) not in ``exclude``."""
-    out: dict[int, int] = {}
+def _live_storages(obj: Any, exclude: set[int]) -> Iterator[tuple[int, torch.UntypedStorage]]:
+    """(data pointer, storage) of every tensor in ``obj`` (a pytree) whose pointer is not in ``exclude``."""
     for leaf in tree_leaves(obj):
         if isinstance(leaf, torch.Tensor):
             try:
@@ -55,9 +54,13 @@ def storages(obj: Any, exclude: set[int]) -> dict[int, int]:
                 ptr = st.data_ptr()
             except (RuntimeError, NotImplementedError):
                 continue
-            if ptr not in exclude:
-                out[ptr] = st.nbytes()
-    return out
+            if ptr and ptr not in exclude:
+                yield ptr, st
+
+
+def storages(obj: Any, exclude: set[int]) -> dict[int, int]:
+    """Storage data pointer -> bytes of every tensor in ``obj`` (a pytree) not in ``exclude``."""
+    return {ptr: st.nbytes() for ptr, st in _live_storages(obj, exclude)}
 
 
 def _storage_refs(obj: Any, exclude: set[int]) -> dict[int, weakref.ref[torch.UntypedStorage]]:
@@ -67,17 +70,7 @@ def _storage_refs(obj: Any, exclude: set[int]) -> dict[int, weakref.ref[torch.Un
     the next allocation of its size (a ReLU's output where a norm's output was), and a storage's weak
     reference dies with it (torch keeps one Python object per live storage).
     """
-    out: dict[int, weakref.ref[torch.UntypedStorage]] = {}
-    for leaf in tree_leaves(obj):
-        if isinstance(leaf, torch.Tensor):
-            try:
-                st = leaf.untyped_storage()
-                ptr = st.data_ptr()
-            except (RuntimeError, NotImplementedError):
-                continue
-            if ptr and ptr not in exclude:
-                out[ptr] = weakref.ref(st)
-    return out
+    return {ptr: weakref.ref(st) for ptr, st in _live_storages(obj, exclude)}
 
 
 def _plain_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
