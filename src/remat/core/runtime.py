@@ -63,7 +63,7 @@ Random draws follow the same scheme. The default generators' states are recorded
 the CPU state at a recording's first call, and again only at a call before which the model's own code
 drew random numbers (a dropout between blocks); a call that finds the state where the previous call
 left it keeps no copy, and its replay goes on from where the previous call's replay left the
-generator (``_Frame.end_rng``; the profile charges a copy per such call, ``BlockOps.fresh_rng``);
+generator (``_Frame.end_rng``, a digest of the state; the profile charges a copy per such call, ``BlockOps.fresh_rng``);
 a member that draws from a generator of its own (``torch.bernoulli(p, generator=self.g)``) is found
 on the learning call (a dispatch mode sees the op's ``generator`` argument), and from then on each
 call keeps that generator's state too, which its replay sets, putting the generator back to where it
@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import itertools
 import threading
 import weakref
@@ -263,6 +264,11 @@ class GeneratorWatch(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _digest(state: torch.Tensor) -> bytes:
+    """A digest of an RNG state (BLAKE2b, 16 bytes): two states with equal digests are taken as equal."""
+    return hashlib.blake2b(state.numpy().tobytes(), digest_size=16).digest()
+
+
 def _rng_state(leaves: Sequence[Any], generators: Sequence[torch.Generator] = ()) -> _RngState:
     cpu = torch.get_rng_state()
     last = _LOCAL.last_rng
@@ -319,7 +325,7 @@ class _Frame:
         # The CPU RNG state right after the last recorded call, while the recording goes on: a call that
         # finds it unchanged (no draw in the model's code between) keeps no copy; its replay goes on from
         # the state the previous call's replay leaves (NOTE [ State under recomputation ]).
-        self.end_rng: torch.Tensor | None = None
+        self.end_rng: bytes | None = None  # a digest: holding the state itself would hold 5 KiB per segment
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -354,7 +360,7 @@ class _Frame:
         if external:
             dummy = torch.empty((0,), requires_grad=True)
             saver = _SaveInputs.apply(dummy, *external)
-        if self.calls and self.end_rng is not None and rng.cpu is not None and torch.equal(rng.cpu, self.end_rng):
+        if self.calls and self.end_rng is not None and rng.cpu is not None and _digest(rng.cpu) == self.end_rng:
             rng = _RngState(None, rng.cuda, rng.generators)
         self.calls.append(_Call(module, role, spec, slots, saver, rng, _autocast_state(), state, inner))
         return len(self.calls) - 1
@@ -737,7 +743,9 @@ def _invoke(
     state = guard.check(rng)
     if watch is not None:
         role.generators = tuple(gen for gen, _ in watch.found.values())
-    end_rng = torch.get_rng_state() if any(pos + 1 < span.size for span, pos in spans) else None
+    end_rng = _digest(torch.get_rng_state()) if any(pos + 1 < span.size for span, pos in spans) else None
+    if _LOCAL.last_rng is rng.cpu and all(frame.calls[index].rng.cpu is None for frame, index in recorded):
+        _LOCAL.last_rng = None  # no recording keeps this call's state: do not hold it past the call
     for (frame, index), (span, position) in zip(recorded, spans):
         frame.calls[index].state = state
         frame.record_output(index, out)
