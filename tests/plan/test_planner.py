@@ -126,3 +126,25 @@ def test_a_plan_predicted_above_its_budget_is_never_returned(monkeypatch: pytest
     assert plan.ops != tuple(Keep(i) for i in range(4))
     with pytest.raises(BudgetInfeasibleError, match="smallest"):
         remat.plan(prof, plan.predicted_peak_bytes - 1, solver="broken")
+
+
+def test_a_solver_a_few_bytes_off_is_solved_again_below_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A solver whose tables are a few bytes optimistic: plan() solves again for a budget lowered by the
+    # simulated excess, so the plan is the one the exact solver picks, not the slow lowest-peak plan.
+    class Optimistic(Solver):
+        def solve(self, profile, chain, headroom, *, slots=None):  # type: ignore[no-untyped-def]
+            return super().solve(profile, chain, headroom + 9, slots=slots)
+
+    prof = fake_profile([5, 50, 20, 80, 40, 10], [1.0, 2.0, 1.0, 2.0, 3.0, 1.0])
+    monkeypatch.setitem(planner.SOLVERS, "optimistic", Optimistic("optimistic", nests=True, sub_variants=False))
+    checked = 0
+    for budget in range(150, 260, 3):
+        try:
+            exact = remat.plan(prof, budget, solver="optimal")
+        except BudgetInfeasibleError:
+            continue
+        got = remat.plan(prof, budget, solver="optimistic")
+        assert got.predicted_peak_bytes is not None and got.predicted_peak_bytes <= budget
+        assert got.predicted_extra_ms == exact.predicted_extra_ms, budget
+        checked += 1
+    assert checked > 10

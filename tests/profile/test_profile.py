@@ -100,6 +100,8 @@ def test_blocks_must_run_once_each_in_order() -> None:
     x = torch.randn(2, 4)
     with pytest.raises(BlockSelectionError, match=r"blocks must run exactly once per step, but \[\('b', 2\)\]"):
         remat.profile(model, x, lambda y: y.sum(), blocks=remat.blocks(model, named=[["a"], ["b"]]), repeats=1)
+    with pytest.raises(BlockSelectionError, match=r"'b' ran 2 times: a module called more than once.*split=False"):
+        remat.profile(model, x, lambda y: y.sum(), blocks=remat.blocks(model, split=True), repeats=1)
     with pytest.raises(RematError, match="repeats=0 and warmup=1 must both be >= 1"):
         remat.profile(model, x, lambda y: y.sum(), repeats=0)
     with pytest.raises(RematError, match="loss_fn returned a tensor of shape \\(2, 4\\)"):

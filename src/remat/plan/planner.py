@@ -284,6 +284,40 @@ def _describe_source(source: object) -> str:
     )
 
 
+_RESOLVES = 24  # solves at lowered budgets, at most, when a solver's plan is predicted above its budget
+
+
+def _solved_below(profile: Profile, chain: Chain, chosen: Solver, headroom: int, over: int, budget: int) -> Plan | None:
+    """The plan of ``chosen`` at the largest headroom below ``headroom`` whose plan fits ``budget``.
+
+    Headroom is lowered by ``over``, doubling, until a plan fits; then bisected between the last
+    headroom that did not fit and the first that did. None if no lowered headroom fits.
+    """
+
+    def fitting(h: int) -> Plan | None:
+        ops = chosen.solve(profile, chain, h) if h >= 0 else None
+        got = plan_from_ops(profile, ops, chosen.name, budget) if ops is not None else None
+        return got if got is not None and (got.predicted_peak_bytes or 0) <= budget else None
+
+    step, misses, hi, lo, best = over, 0, headroom, None, None
+    while lo is None and misses < _RESOLVES and hi - step >= 0:
+        misses += 1
+        best = fitting(hi - step)
+        if best is None:
+            hi, step = hi - step, step * 2
+        else:
+            lo = hi - step
+    while lo is not None and hi - lo > 1 and misses < _RESOLVES:
+        misses += 1
+        mid = (lo + hi) // 2
+        got = fitting(mid)
+        if got is None:
+            hi = mid
+        else:
+            lo, best = mid, got
+    return best
+
+
 def _plan_here(profile: Profile, budget: int | str | Budget | None, *, solver: str, strategy: Strategy | None) -> Plan:
     """``plan`` on a profile, on this process alone."""
     if strategy is not None:
@@ -322,9 +356,21 @@ def _plan_here(profile: Profile, budget: int | str | Budget | None, *, solver: s
             min_peak_bytes=smallest,
         )
     chosen_plan = plan_from_ops(profile, ops, chosen.name, budget_bytes)
-    if chosen_plan.predicted_peak_bytes is not None and chosen_plan.predicted_peak_bytes > budget_bytes:
+    over = (chosen_plan.predicted_peak_bytes or 0) - budget_bytes
+    if over > 0:
         # The solvers' tables round on the safe side of the simulation (tests: brute force on chains);
-        # should a variant's costs ever make them disagree, no plan predicted above its budget is returned.
+        # should a variant's costs ever make them disagree (by bytes, NOTE [ Rotor dynamic program ]),
+        # solve again for lower budgets before settling for the lowest-peak plan.
+        below = _solved_below(profile, chain, chosen, headroom, over, budget_bytes)
+        log.info(
+            "plan: the %s solver's plan is predicted %s above the budget; %s",
+            chosen.name,
+            format_bytes(over),
+            "solved again for a lower budget" if below is not None else "no lower budget's plan fits",
+        )
+        chosen_plan = below or chosen_plan
+    if chosen_plan.predicted_peak_bytes is not None and chosen_plan.predicted_peak_bytes > budget_bytes:
+        # No plan predicted above its budget is returned.
         lowest = plan_from_ops(profile, chosen.min_peak_plan(profile, chain), chosen.name, budget_bytes)
         log.warning(
             "plan: the %s solver's plan is predicted at %s, above the budget %s; checking its lowest-peak plan",

@@ -485,11 +485,20 @@ def _gaps(trace: MemoryTrace, n: int) -> list[int]:
 def _check_order(calls: list[int], order: list[int], block_list: Sequence[Block]) -> None:
     bad = [(block_list[i].name, c) for i, c in enumerate(calls) if c != 1]
     if bad:
+        name, runs = bad[0]
+        why = (
+            f"{name!r} ran {runs} times: a module called more than once per step (one dropout shared by two "
+            "sub-layers, one layer applied n times as in ALBERT) cannot be a block of its own; with "
+            "remat.blocks(model, split=True) keep such layers whole (split=False, or named=[...] groups), "
+            "otherwise choose the module that calls it"
+            if runs > 1
+            else f"{name!r} did not run: a model that skips layers at random (LayerDrop: HF's layerdrop / "
+            "encoder_layerdrop) cannot be profiled: set that probability to 0 to profile and plan, or apply a "
+            "strategy that needs no profile (remat.apply(model, remat.sqrt())); with split=True, a child the "
+            "forward never calls cannot be a block (split=False)"
+        )
         raise BlockSelectionError(
-            f"profile: blocks must run exactly once per step, but {bad[:3]} (name, runs) did not; "
-            "choose blocks that the forward calls once each; a model that skips layers at random (LayerDrop: "
-            "HF's layerdrop / encoder_layerdrop) cannot be profiled: set that probability to 0 to profile and "
-            "plan, or apply a strategy that needs no profile (remat.apply(model, remat.sqrt()))"
+            f"profile: blocks must run exactly once per step, but {bad[:3]} (name, runs) did not; {why}"
         )
     if order != sorted(order):
         names = [block_list[i].name for i in order]
