@@ -536,6 +536,21 @@ class _NormAfter(nn.Module):
         return x + h
 
 
+class _Tagged(nn.Sequential):
+    """A Sequential subclass: a module of its own kind, split no further."""
+
+
+class _MLPInside(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.out = _Tagged(nn.Linear(d, d), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x + self.mlp(self.ln(x)))
+
+
 def test_split_blocks_are_the_children_in_call_order() -> None:
     seq = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8)) for _ in range(3)))
     assert [b.name for b in remat.blocks(seq, split=True)] == [f"{i}.{j}" for i in range(3) for j in range(3)]
@@ -546,6 +561,13 @@ def test_split_blocks_are_the_children_in_call_order() -> None:
     ]
     assert [b.name for b in remat.blocks(seq, include="1", split=True)] == ["1.0", "1.1", "1.2"]
     assert [b.name for b in remat.blocks(seq, named=[["0.0", "0.1"]], split=True)] == ["0.0", "0.1"]  # leaves stay
+    # A plain Sequential child is split too (a GPT's mlp), a Sequential subclass or custom module is not.
+    gpt = nn.Sequential(*(_MLPInside(8) for _ in range(2)))
+    assert [b.name for b in remat.blocks(gpt, split=True)] == [
+        f"{i}.{c}" for i in range(2) for c in ("ln", "mlp.0", "mlp.1", "mlp.2", "out")
+    ]
+    prof = remat.profile(gpt, torch.randn(4, 8), lambda y: y.sum(), blocks=remat.blocks(gpt, split=True), repeats=1)
+    assert len(prof.blocks) == 10
     x = torch.randn(16, 8)
     prof = remat.profile(model, x, lambda out: out.pow(2).mean(), blocks=remat.blocks(model, split=True), repeats=1)
     assert len(prof.blocks) == 8  # the profile ran them once each, in that order

@@ -798,7 +798,8 @@ def blocks(
         filter: ``(module, fqn) -> bool`` choosing modules.
         named: Groups of module FQNs; each group is one block (a single name is a one-module block).
         split: Each block found (by default or by the selectors) replaced by its child modules, in the
-            order its ``forward`` calls them (NOTE [ Split blocks ]); a block without children stays.
+            order its ``forward`` calls them, a plain ``nn.Sequential`` child by its own children
+            (NOTE [ Split blocks ]); a block without children stays.
 
     Returns:
         The blocks in forward order (as above for the default; as selected or registered otherwise),
@@ -850,7 +851,9 @@ def blocks(
 # Measured on the peers benchmark's workload B (8 x [Linear, GELU, LayerNorm]): at 50% of the plain
 # peak, +7.4% step time split, +19.1% on the 8 layers (README, the peers table). The children come in the order the block's
 # ``forward`` calls them (its source, as for stacks; registration order for an nn.Sequential or where
-# the source does not name them all); ``remat.profile`` checks that order when it runs the model.
+# the source does not name them all); ``remat.profile`` checks that order when it runs the model. A
+# child that is a plain nn.Sequential (a GPT's ``mlp = Sequential(Linear, GELU, Linear)``) is split
+# too, so a segment can hold the expanding projection's output and recompute only the activation.
 
 
 def _split(model: nn.Module, groups: Sequence[tuple[str, ...]]) -> list[tuple[str, ...]]:
@@ -870,10 +873,13 @@ def _children_in_call_order(module: nn.Module, prefix: str) -> list[str]:
             names = order
     out: list[str] = []
     for name in names:
-        child = module.get_submodule(name)
-        out += (
-            _callable_children(child, _join(prefix, name)) if isinstance(child, _CONTAINERS) else [_join(prefix, name)]
-        )
+        child, fqn = module.get_submodule(name), _join(prefix, name)
+        if isinstance(child, _CONTAINERS):
+            out += _callable_children(child, fqn)
+        elif type(child) is nn.Sequential and len(child):
+            out += _children_in_call_order(child, fqn)  # runs its children in order: split it too
+        else:
+            out.append(fqn)
     return out
 
 
