@@ -301,6 +301,7 @@ class Row:
     budget_bytes: int | None = None
     budget_of: str | None = None  # "50% of none", "peak of <peer>"
     predicted_peak_bytes: int | None = None
+    predicted_overhead: float | None = None  # the plan's predicted recompute time over the profiled step
     plan: str | None = None
     infeasible: str | None = None
     min_peak_bytes: int | None = None  # for an infeasible budget: the smallest peak remat predicts any plan reaches
@@ -432,6 +433,8 @@ def run_workload(
             row.model = copy.deepcopy(plain)
             remat.apply(row.model, plan)
             row.plan, row.predicted_peak_bytes = plan.describe(), plan.predicted_peak_bytes
+            if plan.predicted_extra_ms is not None and plan.baseline_step_ms:
+                row.predicted_overhead = plan.predicted_extra_ms / plan.baseline_step_ms
             m = remat.measure(row.model, w.inputs, w.loss_fn, steps=1, progress=False)
             row.peak_bytes, row.held_bytes = m.peak_bytes, m.held_bytes
             rows.append(row)
@@ -519,6 +522,7 @@ def _row_json(row: Row, none: Row) -> dict[str, Any]:
             min_peak_bytes=row.min_peak_bytes,
             plan=row.plan,
             predicted_peak_bytes=row.predicted_peak_bytes,
+            predicted_overhead=row.predicted_overhead,
             measured_over_predicted=None
             if row.peak_bytes is None or not row.predicted_peak_bytes
             else row.peak_bytes / row.predicted_peak_bytes,
