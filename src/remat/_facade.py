@@ -94,7 +94,9 @@ def check_gradients(
     """Compare every parameter and input gradient of the plain model with the checkpointed one.
 
     Both runs start from the same RNG state, so dropout draws the same masks; the model is left as it
-    was (any plan applied before is put back). A strategy is planned first (see :func:`apply`).
+    was (any plan applied before is put back). A strategy is planned first (see :func:`apply`). When
+    the gradients differ, a second plain step tells whether the model differs from itself
+    (``GradientCheck.plain_repeatable``).
 
     Args:
         model: The model.

@@ -78,6 +78,60 @@ def test_check_gradients_detects_a_recomputation_that_differs() -> None:
     result = remat.check_gradients(model, remat.selective([0]), x, lambda y: y.sum())
     assert not result.equal and result.exact
     assert "param:0.lin.weight" in result.mismatched and result.max_abs_diff > 0
+    assert result.plain_repeatable is False  # its plain steps differ from each other too
+
+
+class PerStep(nn.Module):
+    """Counts its calls in a step (the model resets the count): a replay is a second call and differs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.lin(x) * self.calls)
+
+
+class Reseeding(nn.Module):
+    """Reseeds the generator at random before its dropout, as HF's Reformer does in training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.seed()
+        return nn.functional.dropout(self.lin(x), 0.5)
+
+
+def test_check_gradients_tells_a_model_that_differs_from_itself() -> None:
+    x = torch.randn(3, 4)
+    blocks = nn.Sequential(PerStep(), PerStep())
+
+    class Resets(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = blocks
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for b in self.blocks:
+                b.calls = 0
+            return self.blocks(x)
+
+    model = Resets()
+    result = remat.check_gradients(model, remat.full(), x, lambda y: y.sum())
+    assert not result.equal and result.plain_repeatable is True  # the plan's difference
+    model2 = nn.Sequential(Reseeding(), Reseeding())
+    rng = torch.get_rng_state()
+    try:
+        result2 = remat.check_gradients(model2, remat.full(), x, lambda y: y.sum())
+    finally:
+        torch.set_rng_state(rng)
+    assert not result2.equal and result2.plain_repeatable is False  # the model's own
+    same = remat.check_gradients(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), remat.full(), x, lambda y: y.sum())
+    assert same.equal and same.plain_repeatable is None  # not checked
 
 
 def test_check_gradients_compares_sparse_gradients() -> None:

@@ -16,7 +16,7 @@ from remat.cli.common import (
     read_plan,
     write_file,
 )
-from remat.measure import check_gradients
+from remat.measure import GradientCheck, check_gradients
 from remat.measure import measure as run_measure
 from remat.units import format_bytes, format_ms
 
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
             f"{plan.strategy}: peak {format_bytes(result.peak_bytes)}{predicted} = {result.peak_bytes / plain.peak_bytes:.1%} "
             f"of plain {format_bytes(plain.peak_bytes)}; step {format_ms(result.step_ms)} = "
             f"{result.step_ms / plain.step_ms:.2f}x plain {format_ms(plain.step_ms)}; gradients "
-            f"{'bitwise equal' if check.equal and check.exact else 'equal' if check.equal else 'DIFFER: ' + ', '.join(check.mismatched[:3])}"
+            f"{_verdict(check)}"
         )
         console.print(f"forward runs per block: {result.forward_counts}")
     if plan is None:
@@ -76,3 +76,10 @@ def run(args: argparse.Namespace) -> int:
     write_file(args.out, result.to_json())
     console.print(f"wrote {args.out}")
     return 0
+
+
+def _verdict(check: GradientCheck) -> str:
+    if check.equal:
+        return "bitwise equal" if check.exact else "equal"
+    own = " (two plain steps differ too: the model is not deterministic)" if check.plain_repeatable is False else ""
+    return f"DIFFER: {', '.join(check.mismatched[:3])}{own}"

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -34,6 +35,8 @@ from remat.errors import BlockSelectionError, RematError
 from remat.plan.types import Plan
 
 __all__ = ["Measurement", "GradientCheck", "measure", "check_gradients", "MemoryTrace", "Grads", "Loop"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,9 @@ class GradientCheck:
         compared: How many gradients were compared.
         mismatched: Names of the gradients that differ.
         max_abs_diff: Largest absolute difference over all gradients.
+        plain_repeatable: Whether a second plain step matches the first, checked only when the gradients
+            differ (None when they match): False means the model itself is not deterministic (it reseeds
+            its generator, as HF's Reformer does in training), so the difference says nothing of the plan.
     """
 
     equal: bool
@@ -178,6 +184,7 @@ class GradientCheck:
     compared: int
     mismatched: tuple[str, ...]
     max_abs_diff: float
+    plain_repeatable: bool | None = None
 
 
 def _grads(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor]) -> dict[str, torch.Tensor | None]:
@@ -252,7 +259,26 @@ def check_gradients(
     finally:
         if before is not None:
             apply(model, before)
-    return _compare_grads(plain, ckpt, exact=exact, atol=atol)
+    check = _compare_grads(plain, ckpt, exact=exact, atol=atol)
+    if check.equal:
+        return check
+    # Is the difference the plan's? A model that is not deterministic differs from itself.
+    remove(model)
+    try:
+        again = _compare_grads(plain, _grads(model, inputs, loss_fn), exact=exact, atol=atol)
+    finally:
+        if before is not None:
+            apply(model, before)
+    if not again.equal:
+        log.warning(
+            "check_gradients: two plain steps of %s from the same RNG state differ too (%s), so the "
+            "difference says nothing of the plan; the model is not deterministic: it reseeds its generator "
+            "(torch.seed(), as HF's Reformer does in training), draws from one remat does not restore, keeps "
+            "state across calls, or its kernels are not deterministic (torch.use_deterministic_algorithms)",
+            type(model).__name__,
+            ", ".join(again.mismatched[:3]),
+        )
+    return replace(check, plain_repeatable=again.equal)
 
 
 def _compare_grads(
