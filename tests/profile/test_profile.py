@@ -95,6 +95,35 @@ class Twice(nn.Module):
         return self.b(self.a(self.b(x)))
 
 
+class _OwnCheckpoint(nn.Module):
+    """Checkpoints its layers itself (as HF's gradient_checkpointing_enable) or runs one under no_grad."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if self.how == "checkpoint":
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            elif self.how == "no_grad" and i == 1:
+                with torch.no_grad():
+                    x = layer(x)
+            else:
+                x = layer(x)
+        return x
+
+
+def test_blocks_recomputed_by_the_model_or_run_without_gradients_are_refused() -> None:
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(BlockSelectionError, match=r"'layers.0' ran again in the backward \(3 of 3 blocks did\)"):
+        remat.profile(_OwnCheckpoint("checkpoint"), x, lambda y: y.sum(), repeats=1)
+    with pytest.raises(BlockSelectionError, match=r"'layers.1' ran with gradients off \(1 of 3 blocks did"):
+        remat.profile(_OwnCheckpoint("no_grad"), x, lambda y: y.sum(), repeats=1)
+    assert len(remat.profile(_OwnCheckpoint("plain"), x, lambda y: y.sum(), repeats=1).block_profiles) == 3
+
+
 def test_blocks_must_run_once_each_in_order() -> None:
     model = Twice()
     x = torch.randn(2, 4)
@@ -168,9 +197,11 @@ def test_what_edits_its_input_in_place_is_never_recomputed(layer: type[nn.Module
         assert remat.check_gradients(model, plan, x, lambda y: y.square().mean()).equal, plan.describe()
 
 
-def test_flops_are_flop_counters_and_a_reversible_model_profiles() -> None:
+def test_flops_are_flop_counters_and_a_reversible_model_is_refused() -> None:
     # FLOPs come from torch.utils.flop_counter's formulas, without FlopCounterMode's module tracker,
-    # whose hooks fail on transformers' Reformer (layers run inside a custom autograd Function).
+    # whose hooks fail on transformers' Reformer (layers run inside a custom autograd Function). Its
+    # layers run with gradients off and save nothing (they recompute themselves in the backward): the
+    # profile says so instead of measuring a backward it cannot see (it predicted 2x the real peak).
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import ReformerConfig, ReformerModelWithLMHead
 
@@ -184,8 +215,10 @@ def test_flops_are_flop_counters_and_a_reversible_model_profiles() -> None:
     model = ReformerModelWithLMHead(config)
     ids = torch.randint(3, 64, (2, 16))
     inputs = {"input_ids": ids, "labels": ids}
-    prof = remat.profile(model, inputs, lambda out: out.loss, repeats=1)
-    assert len(prof.block_profiles) == 2 and all(bp.fwd_flops > 0 for bp in prof.block_profiles)
+    with pytest.raises(
+        BlockSelectionError, match=r"'reformer.encoder.layers.0' ran with gradients off \(2 of 2 blocks"
+    ):
+        remat.profile(model, inputs, lambda out: out.loss, repeats=1)
     w = remat.models.workload("mlp")
     prof = remat.profile(w.model, w.inputs, w.loss_fn, repeats=1, ops=False)
     with FlopCounterMode(display=False) as counter:

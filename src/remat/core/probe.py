@@ -99,6 +99,10 @@ class Probe:
         self.outputs: list[dict[int, int]] = [{} for _ in range(n + m)]
         self.calls = [0] * n
         self.order: list[int] = []
+        # Calls made inside the backward (the model recomputes the block itself: torch.utils.checkpoint
+        # in its forward, HF's gradient_checkpointing_enable) and forwards run with gradients off.
+        self.backward_calls = [0] * n
+        self.no_grad = [False] * n
         # Links between blocks (BlockProfile.linked): the previous block's output tensors (weakly, with
         # their versions) and the storages that existed before the previous block started.
         self.linked = [True] * n
@@ -141,6 +145,10 @@ class Probe:
             if kind is Event.FORWARD:
                 self.calls[index] += 1
                 self.order.append(index)
+                if torch._C._current_graph_task_id() != -1:
+                    self.backward_calls[index] += 1
+                elif not torch.is_grad_enabled():
+                    self.no_grad[index] = True
                 if self.track:
                     self._link(index, args, kwargs)
                 for t in tree_leaves((args, kwargs)):

@@ -252,7 +252,7 @@ def profile(
         ):
             trace = record_memory(it.step, dev)
         grad_events = _grad_events(trace, fresh)
-        _check_order(tracked.calls, tracked.order, block_list)
+        _check_order(tracked.calls, tracked.order, block_list, tracked.backward_calls, tracked.no_grad)
         pinned = _pinned(model, inputs, loss_fn, block_list, dev)
         gaps = _gaps(trace, n)
         # Scalars a forward caches (a few bytes) do not make a model less of a chain.
@@ -482,7 +482,25 @@ def _gaps(trace: MemoryTrace, n: int) -> list[int]:
     return out
 
 
-def _check_order(calls: list[int], order: list[int], block_list: Sequence[Block]) -> None:
+def _check_order(
+    calls: list[int], order: list[int], block_list: Sequence[Block], backward_calls: list[int], no_grad: list[bool]
+) -> None:
+    again = [block_list[i].name for i, c in enumerate(backward_calls) if c]
+    if again:
+        raise BlockSelectionError(
+            f"profile: block {again[0]!r} ran again in the backward ({len(again)} of {len(block_list)} blocks did): the model "
+            "recomputes it itself (torch.utils.checkpoint in its forward, HF's gradient_checkpointing_enable(), "
+            "TrainingArguments(gradient_checkpointing=True)); turn that off (model.gradient_checkpointing_disable()) "
+            "and let remat plan the recomputation"
+        )
+    off = [block_list[i].name for i, flag in enumerate(no_grad) if flag]
+    if off:
+        raise BlockSelectionError(
+            f"profile: block {off[0]!r} ran with gradients off ({len(off)} of {len(block_list)} blocks did: under torch.no_grad, or "
+            "inside a custom autograd Function, as HF Reformer's reversible layers, which recompute themselves): it saves nothing for the "
+            "backward, so checkpointing it cannot lower the peak and its backward cannot be measured; choose "
+            "blocks that run with gradients (include=..., named=...)"
+        )
     bad = [(block_list[i].name, c) for i, c in enumerate(calls) if c != 1]
     if bad:
         name, runs = bad[0]
