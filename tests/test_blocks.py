@@ -536,6 +536,19 @@ class _NormAfter(nn.Module):
         return x + h
 
 
+class _Spare(nn.Module):
+    """Holds a dropout its forward never calls (as XLNet's layers)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.spare = nn.Dropout(0.1)
+        self.act = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
+
+
 class _Tagged(nn.Sequential):
     """A Sequential subclass: a module of its own kind, split no further."""
 
@@ -568,6 +581,12 @@ def test_split_blocks_are_the_children_in_call_order() -> None:
     ]
     prof = remat.profile(gpt, torch.randn(4, 8), lambda y: y.sum(), blocks=remat.blocks(gpt, split=True), repeats=1)
     assert len(prof.blocks) == 10
+    # A child the forward never names is no block (it would never run: the profile would refuse it).
+    spare = nn.Sequential(_Spare(8), _Spare(8))
+    assert [b.name for b in remat.blocks(spare, split=True)] == ["0.fc", "0.act", "1.fc", "1.act"]
+    x8 = torch.randn(4, 8)
+    prof = remat.profile(spare, x8, lambda y: y.sum(), blocks=remat.blocks(spare, split=True), repeats=1)
+    assert remat.check_gradients(spare, remat.plan(prof, strategy=remat.full()), x8, lambda y: y.sum()).equal
     x = torch.randn(16, 8)
     prof = remat.profile(model, x, lambda out: out.pow(2).mean(), blocks=remat.blocks(model, split=True), repeats=1)
     assert len(prof.blocks) == 8  # the profile ran them once each, in that order

@@ -868,7 +868,10 @@ def _split(model: nn.Module, groups: Sequence[tuple[str, ...]]) -> list[tuple[st
 def _children_in_call_order(module: nn.Module, prefix: str) -> list[str]:
     names = [name for name, _ in module.named_children()]
     if not isinstance(module, nn.Sequential):
-        order = [a for a in _source(_class(module)).attributes if a in names]
+        source = _source(_class(module))
+        # A child its forward never names (XLNet's spare dropout) is not called by it: no block.
+        names = [n for n in names if n in source.names] or names
+        order = [a for a in source.attributes if a in names]
         if set(order) == set(names):
             names = order
     out: list[str] = []
