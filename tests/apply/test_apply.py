@@ -505,7 +505,9 @@ def test_a_segment_with_dropout_in_every_block_keeps_one_rng_state() -> None:
         measured = remat.measure(model, x, loss_fn, steps=1).peak_bytes
         remat.remove(model)
         assert plan.predicted_peak_bytes is not None
-        assert abs(measured - plan.predicted_peak_bytes) <= 0.03 * plan.predicted_peak_bytes, (
+        # Never above; below by at most the last replayed block's dropout mask (2 KiB, 5%), which its
+        # early stop does not allocate (the model charges a replay's last block its whole forward peak).
+        assert 0.94 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes, (
             plan.describe(),
             measured,
         )

@@ -282,7 +282,9 @@ def test_a_plan_of_policies_measures_what_it_predicts(model: str) -> None:
     # Every block under the policy of its menu that frees the most: the checkpoint's RNG state (5 KiB a
     # block) and the inputs it holds that the plain step frees, to the end of the block's backward, are
     # charged by op_costs, so the measured peak is not above the prediction (1.041x, 1.319x and 1.29x
-    # before).
+    # before). A recomputation is charged its block's forward peak above the pending gradients (split
+    # BERT's attention policy peaked 14 KB above its prediction there); under autocast that peak counts
+    # casts the recomputation's early stop leaves out: 0.94-0.95 of the prediction, on the safe side.
     from remat.core.ops import RecomputeOps
     from remat.plan.planner import plan_from_ops, variant_costs
 
@@ -300,7 +302,8 @@ def test_a_plan_of_policies_measures_what_it_predicts(model: str) -> None:
     measured = remat.measure(case.model, case.inputs, case.loss_fn, steps=1).peak_bytes
     remat.remove(case.model)
     assert plan.predicted_peak_bytes is not None
-    assert 0.97 <= measured / plan.predicted_peak_bytes <= 1.005, (plan.describe(), measured, plan.predicted_peak_bytes)
+    low = 0.94 if model == "autocast_chain" else 0.97
+    assert low <= measured / plan.predicted_peak_bytes <= 1.005, (plan.describe(), measured, plan.predicted_peak_bytes)
 
 
 @pytest.mark.parametrize("model", ["tanh_chain", "autocast_chain"])

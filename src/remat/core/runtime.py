@@ -118,7 +118,10 @@ class _Local(threading.local):
     counts: dict[int, int] | None = None
     observer: Observer | None = None
     scope: dict[int, tuple[weakref.ref[_Frame], int]] | None = None
-    last_rng: torch.Tensor | None = None
+    # The CPU RNG state of the last recorded call, weakly: the recordings that keep it hold it, and
+    # nothing else may (the last segment's state would outlive its backward, 5 KiB the chain model
+    # does not count).
+    last_rng: weakref.ref[torch.Tensor] | None = None
 
 
 _LOCAL = _Local()
@@ -271,10 +274,10 @@ def _digest(state: torch.Tensor) -> bytes:
 
 def _rng_state(leaves: Sequence[Any], generators: Sequence[torch.Generator] = ()) -> _RngState:
     cpu = torch.get_rng_state()
-    last = _LOCAL.last_rng
+    last = _LOCAL.last_rng() if _LOCAL.last_rng is not None else None
     if last is not None and torch.equal(last, cpu):
         cpu = last  # no draws since the previous call: share one copy
-    _LOCAL.last_rng = cpu
+    _LOCAL.last_rng = weakref.ref(cpu)
     cuda: dict[int, torch.Tensor] = {}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for leaf in leaves:
@@ -744,7 +747,11 @@ def _invoke(
     if watch is not None:
         role.generators = tuple(gen for gen, _ in watch.found.values())
     end_rng = _digest(torch.get_rng_state()) if any(pos + 1 < span.size for span, pos in spans) else None
-    if _LOCAL.last_rng is rng.cpu and all(frame.calls[index].rng.cpu is None for frame, index in recorded):
+    if (
+        _LOCAL.last_rng is not None
+        and _LOCAL.last_rng() is rng.cpu
+        and all(frame.calls[index].rng.cpu is None for frame, index in recorded)
+    ):
         _LOCAL.last_rng = None  # no recording keeps this call's state: do not hold it past the call
     for (frame, index), (span, position) in zip(recorded, spans):
         frame.calls[index].state = state

@@ -68,8 +68,9 @@ checkpoint holds its first block's input to the end of its backward, so a ``Reco
 ``I`` (replay and backward) ``fi[a]`` higher; and it replays when the backward reaches block ``b - 1``,
 above the activation gradients pending then (``pg[b - 1]``, ``pending_grad_bytes``), which ``bp`` of a
 kept block includes but a replay's forward peaks do not: ``I`` runs ``pg[b - 1]`` higher too (its
-backward as well, on the safe side: a kept block's ``bp`` counts its own pending gradients again). Gradients accumulate: a
-block's backward, and a recomputation, run above every gradient allocated before them (a segment's
+backward as well, on the safe side: a kept block's ``bp`` counts its own pending gradients again), and
+its forwards ``c`` higher still: the replay forks the RNG and holds a copy of its state until it ends
+(``Chain.replay_above_bytes``). Gradients accumulate: a block's backward, and a recomputation, run above every gradient allocated before them (a segment's
 replay runs after the blocks after it made theirs). The solvers only
 put several blocks in one segment across boundaries where nothing is held between them
 (``Chain.joinable``: the T5 encoder's blocks together, the decoder's together, not across): the
@@ -277,6 +278,14 @@ class Chain:
             - self._rng_copies[start + 1]
             - int(self.released_bytes[stop - 1])
         )
+
+    def replay_above_bytes(self, last: int) -> int:
+        """How much higher than the level the simulator tracks the replay of a segment ending with block
+        ``last`` runs its forwards, bytes: the activation gradients pending when the backward reaches the
+        block (``pending_grad_bytes``), and the copy of the RNG state the replay forks to put the
+        generator back afterwards (``ckpt_state_bytes``: the runtime's replay, as torch's checkpoint,
+        runs under ``torch.random.fork_rng``, which holds ``torch.get_rng_state()`` until the replay ends)."""
+        return int(self.pending_grad_bytes[last]) + int(self.ckpt_state_bytes)
 
     def replay_hold_bytes(self, start: int, stop: int) -> int:
         """How much higher than its blocks' ``S'`` the replay of a segment ``start..stop-1`` (and its

@@ -399,5 +399,14 @@ def op_costs(profile: Profile) -> dict[tuple[int, RecomputeOps], tuple[int, floa
             extra_ms = max(policy.recompute_ms, bp.selective_ms - skipped_ms)
             # The RNG state and the inputs the checkpoint holds stay to the end of the block's backward.
             held = profile.ckpt_state_bytes + _held_inputs(profile, i)
-            out[(i, RecomputeOps(i, policy.save, policy.freed))] = (policy.freed_bytes - held, extra_ms, held)
+            saved = policy.freed_bytes - held
+            # The recomputation runs when the block's backward starts, above the gradients pending then,
+            # with a copy of the RNG state (torch's checkpoint forks it) and every tensor of the forward
+            # up to its early stop alive (the block's forward peak, less the cached outputs, held already):
+            # the backward peak is at least that (chain_of's bwd_peak_bytes, which counts the pending
+            # gradients, plus the freed bytes coming back).
+            replay = bp.pending_grad_bytes + profile.ckpt_state_bytes + bp.fwd_peak_bytes - policy.held_bytes
+            bwd = bp.bwd_peak_bytes + max(0, -bp.gap_bytes)
+            transient = max(held, replay - bwd - saved)
+            out[(i, RecomputeOps(i, policy.save, policy.freed))] = (saved, extra_ms, transient)
     return out

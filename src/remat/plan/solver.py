@@ -263,7 +263,7 @@ class _Simulator:
             # replayed first block's gap (a plain step's) would free it: hold it back.
             # And it replays above the activation gradients pending when the backward reaches its last block.
             hold = self.chain.replay_hold_bytes(op.start, op.stop)  # (what the last block's gap released)
-            pending = int(self.chain.pending_grad_bytes[op.stop - 1])
+            pending = self.chain.replay_above_bytes(op.stop - 1)  # and the RNG state its replay forks
             self.level += hold + pending  # the replay runs when the backward reaches the last block
             for i, inner_op in enumerate(op.inner):
                 self.forward(inner_op, replay=True, discard=freed if i == last else 0)
@@ -439,7 +439,7 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
     ]
     # A range s..t with t < n is only ever the inner plan of a checkpoint ending at t (or part of one):
     # its forwards run in the replay, above the gradients pending at t's backward; its backwards do not.
-    pending = [int(v) for v in chain.pending_grad_bytes[:n]] + [0]  # the top level (t = n) is no replay
+    pending = [chain.replay_above_bytes(t) for t in range(n)] + [0]  # the top level (t = n) is no replay
     # NOTE [ Gradients in the program ]: m is headroom above the entry level less the gradients of
     # the blocks after t; a backward needs them, a forward of s..t runs above those of blocks after t.
     after = _grads_after(chain)
@@ -640,11 +640,24 @@ def _grads_after(chain: Chain) -> list[int]:
 
 
 def _held(chain: Chain) -> list[int]:
-    """What a checkpoint ending before block ``k`` holds (single-block segments; see ``Chain.segment_bytes``)."""
-    return [
-        chain.segment_bytes(k - 1, k) if k else int(chain.x_bytes[0]) + int(chain.ckpt_state_bytes)
-        for k in range(chain.n + 1)
-    ]
+    """What a checkpoint ending before block ``k`` holds (single-block segments; see ``Chain.segment_bytes``),
+    and at least the inputs that any longer segment ending there holds beyond that: those of its first
+    block that the block does not save (``unsaved_input_bytes``) and those the blocks after it take from
+    outside the segment (``unlinked_bytes``; T5's position bias, made by a stack's first layer). The
+    tables cannot tell segments ending at ``k`` apart by their start, so they take the most (safe side)."""
+    out = []
+    for k in range(chain.n + 1):
+        if not k:
+            out.append(int(chain.x_bytes[0]) + int(chain.ckpt_state_bytes))
+            continue
+        best, through = 0, 0
+        s = k - 1
+        while s > 0 and chain.joinable[s - 1] and chain.recomputable[s - 1]:
+            through += int(chain.unlinked_bytes[s])
+            s -= 1
+            best = max(best, int(chain.unsaved_input_bytes[s]) + through - int(chain.unsaved_input_bytes[k - 1]))
+        out.append(chain.segment_bytes(k - 1, k) + max(0, best))
+    return out
 
 
 def _hold_table(chain: Chain) -> npt.NDArray[np.int64]:
@@ -701,7 +714,7 @@ def _peak_table(
                 running = max(running, int(chain.fwd_peak_bytes[k]) + int(chain.x_bytes[k]))
     # NOTE [ Gradients in the program ]: the backward of s..k-1 runs above the gradients of k..t.
     after = np.asarray(_grads_after(chain), dtype=np.int64)
-    pending = np.asarray(chain.pending_grad_bytes, dtype=np.int64)
+    pending = np.asarray([chain.replay_above_bytes(t) for t in range(n)] + [0], dtype=np.int64)
     hold = _hold_table(chain)
     peak = np.zeros((n + 1, n + 1), dtype=np.int64)
     for t in range(n + 1):
@@ -746,7 +759,7 @@ def min_peak_plan(
 
     def build(s: int, t: int) -> tuple[Op, ...]:
         ops: list[Op] = []
-        pend = int(chain.pending_grad_bytes[t]) if t < n else 0
+        pend = chain.replay_above_bytes(t) if t < n else 0
         while s < t:
             grads = after[s + 1] - after[t + 1]
             kept = [

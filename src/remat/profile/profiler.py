@@ -309,6 +309,7 @@ def profile(
         _stop_share(block_ops, n),
     )
     prof = replace(prof, loop=it.loop, block_ops=block_ops)
+    reused_in, reused_through = _reused_inputs(tracked, n)
     bps = tuple(
         replace(
             bp,
@@ -316,8 +317,8 @@ def profile(
             pinned_bytes=pinned[i][0],
             pinned_out_bytes=pinned[i][1],
             reused_bytes=reused[i],
-            unlinked_bytes=tracked.unlinked[i],
-            unsaved_input_bytes=tracked.unsaved_unlinked(i),
+            unlinked_bytes=tracked.unlinked[i] + reused_through[i],
+            unsaved_input_bytes=tracked.unsaved_unlinked(i) + reused_in[i],
             generator_state_bytes=block_ops[i].generator_state_bytes if block_ops else 0,
             fresh_rng=block_ops[i].fresh_rng if block_ops else False,
         )
@@ -399,6 +400,28 @@ def _reused(tracked: Probe) -> list[int]:
         later = set().union(*(tracked.inputs[j] for j in range(i + 2, n))) if i + 2 < n else set()
         out.append(sum(s for p, s in own.items() if p in later))
     return out
+
+
+def _reused_inputs(tracked: Probe, n: int) -> tuple[list[int], list[int]]:
+    """Per block, the bytes of its inputs that are the own outputs of a block before the previous one
+    (``_reused``: T5's position bias, made by a stack's first layer and taken by every later one) and that
+    no block saves: the plain step frees them where the model's code drops them (a stack returning, in
+    a gap or in the head), while a segment whose blocks take them holds them to its backward (external
+    arguments). Returns (all of them, for a segment starting at the block: ``unsaved_input_bytes``;
+    those the previous block does not take too, for a segment going on through the block:
+    ``unlinked_bytes``)."""
+    saved_anywhere: set[int] = set().union(*(set(tracked.saved[q]) for q in range(n))) if n else set()
+    own = [{p: sz for p, sz in tracked.outputs[i].items() if p not in tracked.inputs[i]} for i in range(n)]
+    first, through = [], []
+    for j in range(n):
+        older: dict[int, int] = {}
+        for i in range(j - 1):
+            older.update(own[i])
+        taken = {p: sz for p, sz in tracked.inputs[j].items() if p in older and p not in saved_anywhere}
+        first.append(sum(taken.values()))
+        prev = tracked.inputs[j - 1] if j else {}
+        through.append(sum(sz for p, sz in taken.items() if p not in prev))
+    return first, through
 
 
 def _drop(_t: Any) -> Any:
