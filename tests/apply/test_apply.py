@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import random
 from typing import Any
 
 import pytest
@@ -511,3 +513,116 @@ def test_a_segment_with_dropout_in_every_block_keeps_one_rng_state() -> None:
             plan.describe(),
             measured,
         )
+
+
+class _CtxBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x) + ctx.bias)
+
+
+class _EmaBlock(nn.Module):
+    """Updates a frozen parameter in place in its forward (a VQ-VAE's EMA codebook)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.code = nn.Parameter(torch.ones(8), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.code.mul_(0.9).add_(0.1 * x.mean(0))
+        return torch.tanh(self.fc(x) + self.code)
+
+
+def test_a_replay_computes_with_the_parameters_the_forward_used() -> None:
+    # torch.func.functional_call swaps other tensors into the parameter slots for the forward only:
+    # the replay uses them too (the module's own were back by the backward: 15 of 16 gradients differed).
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)))
+    x = torch.randn(4, 8)
+    fast = {n: (p.detach() * 1.5).requires_grad_() for n, p in model.named_parameters()}
+
+    def grads() -> list[torch.Tensor]:
+        loss = torch.func.functional_call(model, fast, (x,)).square().sum()
+        return list(torch.autograd.grad(loss, list(fast.values())))
+
+    plain = grads()
+    for strategy in (remat.full(), remat.segments(2)):
+        remat.apply(model, strategy)
+        got = grads()
+        remat.remove(model)
+        assert all(torch.equal(a, b) for a, b in zip(plain, got)), strategy.label
+        assert all(p.grad is None for p in model.parameters())
+
+
+def test_parameters_or_arguments_changed_before_the_backward_are_refused() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)))
+    x = torch.randn(4, 8)
+    remat.apply(model, remat.full())
+    loss = model(x).square().sum()
+    with torch.no_grad():
+        model[1][0].weight.mul_(0.5)  # an optimizer step before backward(): the plain backward raises too
+    with pytest.raises(RematError, match=r"parameter 'weight' of module '1' was changed in place after the forward"):
+        loss.backward()
+    remat.remove(model)
+
+    ema = nn.Sequential(_EmaBlock(), _EmaBlock())
+    remat.apply(ema, remat.full())
+    with pytest.raises(RematError, match=r"module '0' updates its parameter\(s\) \['code'\] in place in its forward"):
+        ema(x)
+    remat.remove(ema)
+
+    @dataclasses.dataclass
+    class Ctx:
+        bias: torch.Tensor
+
+    blocks = nn.ModuleList(_CtxBlock() for _ in range(3))
+    remat.apply(blocks, remat.full(), blocks=remat.blocks(blocks, include="*"))
+    ctx, h = Ctx(torch.ones(8)), x
+    for block in blocks:
+        h = block(h, ctx)
+        ctx.bias.mul_(0.5)  # the next block reads the edited bias; the replay of this one would too
+    with pytest.raises(RematError, match=r"argument of module '2' \(Ctx\) was changed after the call"):
+        h.sum().backward()
+
+
+class _PyRandomBlock(nn.Module):
+    """Scales by a factor from Python's random and adds numpy noise (a data-augmentation style block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        noise = torch.from_numpy(np.random.standard_normal(8).astype("float32"))
+        return torch.tanh(self.fc(x) * (0.5 + random.random()) + noise)
+
+
+def test_blocks_drawing_from_python_and_numpy_generators_replay_exactly() -> None:
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_PyRandomBlock() for _ in range(4)))
+    x = torch.randn(4, 8)
+
+    def step() -> tuple[list[torch.Tensor], float, float]:
+        random.seed(1)
+        np.random.seed(1)
+        model.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None], random.random(), np.random.rand()
+
+    plain = step()
+    for strategy in (remat.full(), remat.segments(2)):
+        remat.apply(model, strategy)
+        got = step()
+        remat.remove(model)
+        assert all(torch.equal(a, b) for a, b in zip(plain[0], got[0])), strategy.label
+        assert got[1:] == plain[1:]  # the generators end where the plain step leaves them

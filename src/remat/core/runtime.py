@@ -69,7 +69,10 @@ on the learning call (a dispatch mode sees the op's ``generator`` argument), and
 call keeps that generator's state too, which its replay sets, putting the generator back to where it
 was afterwards. A generator a member first draws from on a later call than its first is not seen. An
 op-level policy (torch's selective checkpoint restores the default generators only) refuses such a
-member on its first call; the profile offers none for it.
+member on its first call; the profile offers none for it. Python's ``random`` and numpy's global
+generator are compared before and after every call (a few microseconds); a call that drew from them
+keeps their states, which its replay sets, putting them back afterwards (an op-level policy refuses
+such a call).
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ import contextlib
 import functools
 import hashlib
 import itertools
+import random
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -163,11 +168,16 @@ class _Role:
     norms: frozenset[str] | None = None
     policy: frozenset[str] | None = None  # RecomputeOps: keys of the ops whose outputs are kept
     generators: tuple[torch.Generator, ...] = ()  # its own generators, learned (NOTE [ State under recomputation ])
+    # Where its parameters live, (sub-module, name): each call records the tensors there (NOTE [ Parameters
+    # under recomputation ]); None until the first call; no check at all on a model sharded by FSDP2.
+    param_slots: tuple[tuple[nn.Module, str], ...] | None = None
+    check_params: bool = True
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         # Learned again after loading.
         state["learned"], state["stateful"], state["norms"], state["generators"] = False, frozenset(), None, ()
+        state["param_slots"] = None
         return state
 
 
@@ -217,13 +227,21 @@ _PRIMITIVES = (
 _LINK, _EXT, _OBJ = 0, 1, 2
 
 
-def _snapshot(obj: Any) -> dict[str, Any] | None:
+def _snapshot(obj: Any) -> tuple[dict[str, Any], list[tuple[torch.Tensor, int]]] | None:
+    # A shallow snapshot of a mutable argument: its attributes, and the versions of the tensors among
+    # them (and in their lists, tuples and dicts): an in-place edit before the backward changes the
+    # replay's input as surely as a new attribute value.
     if isinstance(obj, _PRIMITIVES) or isinstance(obj, (nn.Module, type)) or callable(obj):
         return None
     try:
-        return dict(vars(obj))
+        attrs = dict(vars(obj))
     except TypeError:
         return None
+    tensors = []
+    for value in attrs.values():
+        inner = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+        tensors += [(t, t._version) for t in inner if isinstance(t, torch.Tensor)]
+    return attrs, tensors
 
 
 @dataclass(eq=False)
@@ -310,6 +328,8 @@ class _Call:
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
     state: dict[str, torch.Tensor]
     inner: tuple[tuple[_Span, int], ...]
+    params: tuple[tuple[nn.Module, str, torch.Tensor, int, int], ...] = ()  # (owner, name, tensor, version, address)
+    py_rng: tuple[Any, Any] | None = None  # Python's and numpy's global RNG states, if the call drew from them
 
 
 class _Frame:
@@ -431,12 +451,16 @@ class _Frame:
         # The members' own generators go back to where they are now after the replay, as fork_rng does for
         # the default ones.
         own = {key: (gen, gen.get_state()) for call in self.calls for key, (gen, _) in call.rng.generators.items()}
+        # And Python's and numpy's global generators, where a member drew from them.
+        py_now = _py_states() if any(call.py_rng is not None for call in self.calls) else None
         try:
             with torch.random.fork_rng(devices=cuda_devices, device_type="cuda" if cuda_devices else "cpu"):
                 last_use = self._last_uses()
                 for index, call in enumerate(self.calls):
                     args, kwargs = self._arguments(call, outs)
                     call.rng.set()
+                    if call.py_rng is not None:
+                        _set_py_states(call.py_rng)
                     out = _replay_call(call, args, kwargs)
                     del args, kwargs
                     # Hold a replayed output only while a later call takes it (as the forward did).
@@ -448,6 +472,8 @@ class _Frame:
         finally:
             for gen, st in own.values():
                 gen.set_state(st)
+            if py_now is not None:
+                _set_py_states(py_now)
             _LOCAL.scope = previous_scope
 
     def _last_uses(self) -> dict[int, int]:
@@ -477,8 +503,9 @@ class _Frame:
                 if snap is not None and not _same_snapshot(snap, value):
                     raise RematError(
                         f"apply: an argument of module {call.role.name!r} ({type(value).__name__}) was changed after the "
-                        "call and before the backward, so its recomputation would differ; pass a fresh object per "
-                        "call, or keep this block (a plan that does not recompute it)"
+                        "call and before the backward (an attribute set, or a tensor in it edited in place), so its "
+                        "recomputation would differ; pass a fresh object per call, or keep this block (a plan that "
+                        "does not recompute it)"
                     )
                 leaves.append(value)
         args, kwargs = tree_unflatten(leaves, call.spec)
@@ -523,20 +550,52 @@ def _replay_pack(frame_ref: weakref.ref[_Frame], gid: int) -> Callable[[torch.Te
     return pack
 
 
-def _same_snapshot(snap: dict[str, Any], value: Any) -> bool:
+def _same_snapshot(snap: tuple[dict[str, Any], list[tuple[torch.Tensor, int]]], value: Any) -> bool:
+    attrs, tensors = snap
     try:
         now = vars(value)
     except TypeError:
         return True
-    return now.keys() == snap.keys() and all(now[k] is v for k, v in snap.items())
+    return (
+        now.keys() == attrs.keys()
+        and all(now[k] is v for k, v in attrs.items())
+        and all(t._version == version for t, version in tensors)
+    )
+
+
+def _py_states() -> tuple[Any, Any]:
+    """Python's and (if imported) numpy's global RNG states: a member may draw from them too."""
+    np = sys.modules.get("numpy")
+    return random.getstate(), np.random.get_state() if np is not None else None
+
+
+def _py_drew(before: tuple[Any, Any]) -> bool:
+    py, legacy = before
+    if random.getstate() != py:
+        return True
+    if legacy is None:
+        return False
+    now = sys.modules["numpy"].random.get_state()
+    return bool(now[2] != legacy[2] or now[3] != legacy[3] or (now[1] != legacy[1]).any())
+
+
+def _set_py_states(states: tuple[Any, Any]) -> None:
+    random.setstate(states[0])
+    if states[1] is not None:
+        sys.modules["numpy"].random.set_state(states[1])
+
+
+def _is_fsdp(module: nn.Module) -> bool:
+    return any(c.__name__ == "FSDPModule" for c in type(module).__mro__)
 
 
 def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     module, role = call.module, call.role
-    if hasattr(module, "unshard") and any(c.__name__ == "FSDPModule" for c in type(module).__mro__):
+    if hasattr(module, "unshard") and _is_fsdp(module):
         module.unshard()  # type: ignore[operator]  # FSDP2: its parameters were resharded after the forward
     buffers = dict(module.named_buffers())
     current = {name: buffers[name].detach().clone() for name in call.state if name in buffers}
+    swapped = _swap_in_params(call)
     try:
         with torch.no_grad():
             for name, value in call.state.items():
@@ -550,6 +609,73 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         with torch.no_grad():
             for name, value in current.items():
                 buffers[name].copy_(value)
+        _put_back(swapped)
+
+
+# NOTE [ Parameters under recomputation ]
+# A replay must compute with the parameters the forward used. Each recorded call keeps the tensors in
+# its modules' parameter slots, with their versions and addresses (references only: they are alive).
+# A slot that holds another tensor at replay time (torch.func.functional_call put the module's own
+# back after the forward: MAML's fast weights, stateless ensembles) gets the recorded tensor for the
+# replay, so the gradients flow to the tensors the forward used. A recorded tensor edited in place
+# since (an optimizer step, a clamp, ``p.data = ...`` before the backward) raises a RematError: the
+# plain model's backward raises torch's "modified by an inplace operation" there. A forward that
+# updates one of its parameters in place (an EMA codebook) would update it again in its replay: it
+# raises on the call. Under FSDP2, which swaps and refills parameters between forward and backward
+# itself, none of this is checked (``_Role.check_params``).
+def _param_refs(module: nn.Module, role: _Role) -> tuple[tuple[nn.Module, str, torch.Tensor, int, int], ...]:
+    if not role.check_params:
+        return ()
+    if role.param_slots is None:
+        role.param_slots = tuple(
+            (sub, name) for sub in module.modules() for name, p in sub._parameters.items() if p is not None
+        )
+    out = []
+    for sub, name in role.param_slots:
+        t = sub._parameters.get(name)
+        if t is not None:
+            out.append((sub, name, t, t._version, _address(t)))
+    return tuple(out)
+
+
+def _address(t: torch.Tensor) -> int:
+    try:
+        return int(t.data_ptr())
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+        return 0
+
+
+def _check_params_kept(role: _Role, params: tuple[tuple[nn.Module, str, torch.Tensor, int, int], ...]) -> None:
+    edited = [name for _, name, t, version, _ in params if t._version != version]
+    if edited:
+        raise RematError(
+            f"apply: module {role.name!r} updates its parameter(s) {edited[:4]} in place in its forward (an EMA "
+            "codebook?), so recomputing it would update them again; keep this block (a plan that does not "
+            "recompute it), or hold that state in buffers (remat.apply(..., allow_stateful=True) restores those)"
+        )
+
+
+def _swap_in_params(call: _Call) -> list[tuple[nn.Module, str, torch.Tensor | None]]:
+    swapped: list[tuple[nn.Module, str, torch.Tensor | None]] = []
+    for owner, name, t, version, address in call.params:
+        if t._version != version or _address(t) != address:
+            _put_back(swapped)
+            raise RematError(
+                f"apply: parameter {name!r} of module {call.role.name!r} was changed in place after the forward and "
+                "before the backward (an optimizer step or a clamp before backward(), p.data = ...), so its "
+                "recomputation would use other values; the plain model's backward would fail there too (torch: "
+                "'modified by an inplace operation'); change parameters after the backward"
+            )
+        now = owner._parameters.get(name)
+        if now is not t:
+            swapped.append((owner, name, now))
+            owner._parameters[name] = t  # type: ignore[assignment]
+    return swapped
+
+
+def _put_back(swapped: Sequence[tuple[nn.Module, str, torch.Tensor | None]]) -> None:
+    for owner, name, value in swapped:
+        owner._parameters[name] = value  # type: ignore[assignment]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -673,8 +799,15 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
     assert role.policy is not None
     buffers = [(name, b, b._version) for name, b in module.named_buffers()]
     watch = GeneratorWatch() if not role.learned else contextlib.nullcontext()
+    py_before = _py_states()
     with watch:
         out = run_selective(_original(module, role), args, kwargs, role.policy)
+    if _py_drew(py_before):
+        raise RematError(
+            f"apply: module {role.name!r} draws from Python's random or numpy's global generator, which torch's "
+            "selective checkpoint does not restore, so an op-level policy (RecomputeOps) would draw other numbers "
+            "in its recomputation; keep this block or recompute it whole (remat restores those generators there)"
+        )
     if isinstance(watch, GeneratorWatch):
         if watch.found:
             for gen, st in watch.found.values():
@@ -727,6 +860,8 @@ def _invoke(
     leaves = tree_leaves((args, kwargs))
     rng = _rng_state(leaves, role.generators)
     guard = _StateGuard(module, role, leaves)
+    params = _param_refs(module, role)
+    py_before = _py_states()
     watch = GeneratorWatch() if not role.learned else None
     with contextlib.ExitStack() as stack:
         recorded: list[tuple[_Frame, int]] = []
@@ -744,6 +879,8 @@ def _invoke(
         # The learning call: the generators it drew from, at their states before its first draws.
         rng.generators.update(watch.found)
     state = guard.check(rng)
+    _check_params_kept(role, params)
+    py_rng = py_before if _py_drew(py_before) else None
     if watch is not None:
         role.generators = tuple(gen for gen, _ in watch.found.values())
     end_rng = _digest(torch.get_rng_state()) if any(pos + 1 < span.size for span, pos in spans) else None
@@ -755,6 +892,8 @@ def _invoke(
         _LOCAL.last_rng = None  # no recording keeps this call's state: do not hold it past the call
     for (frame, index), (span, position) in zip(recorded, spans):
         frame.calls[index].state = state
+        frame.calls[index].params = params
+        frame.calls[index].py_rng = py_rng
         frame.record_output(index, out)
         frame.end_rng = end_rng if position + 1 < span.size else None  # the last member: no call follows
     return out
@@ -891,11 +1030,13 @@ def install(
     policies: dict[int, frozenset[str]] = {}
     _assign(model, ops, members, names, roles, policies)
     touched: list[nn.Module] = []
+    sharded = any(_is_fsdp(m) for m in model.modules())  # NOTE [ Parameters under recomputation ]
     try:
         for module, name, spans in roles.values():
             role = _Role(
                 tuple(spans), module.__dict__.get("forward"), name, allow_stateful, policy=policies.get(id(module))
             )
+            role.check_params = not sharded
             _set_role(module, role)
             touched.append(module)
     except BaseException:
