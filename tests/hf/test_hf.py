@@ -184,3 +184,15 @@ def test_plan_is_bitwise_exact_within_budget(hf: ZooRun, name: str, label: str) 
         assert peak <= budget * PEAK_SLACK, (
             f"{name} x {label}: measured peak {peak} B > budget {budget} B x {PEAK_SLACK}"
         )
+
+
+def test_a_model_that_checkpoints_its_layers_itself_is_refused_by_the_profile() -> None:
+    # HF's own checkpointing runs each layer's forward again in the backward, past the layer's hooks:
+    # the profile saw a plain model, predicted 1.66x the real peak and called 50% infeasible.
+    case = gpt2()
+    model = case.model
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(remat.BlockSelectionError, match=r"'transformer.h.0' ran again in the backward \(\d+ of \d+"):
+        remat.profile(model, case.inputs, case.loss_fn, repeats=1)
+    model.gradient_checkpointing_disable()
+    assert remat.profile(model, case.inputs, case.loss_fn, repeats=1).peak_bytes > 0

@@ -216,7 +216,7 @@ def test_flops_are_flop_counters_and_a_reversible_model_is_refused() -> None:
     ids = torch.randint(3, 64, (2, 16))
     inputs = {"input_ids": ids, "labels": ids}
     with pytest.raises(
-        BlockSelectionError, match=r"'reformer.encoder.layers.0' ran with gradients off \(2 of 2 blocks"
+        BlockSelectionError, match=r"'reformer.encoder.layers.0' ran again in the backward \(2 of 2 blocks"
     ):
         remat.profile(model, inputs, lambda out: out.loss, repeats=1)
     w = remat.models.workload("mlp")

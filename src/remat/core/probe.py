@@ -145,15 +145,20 @@ class Probe:
             if kind is Event.FORWARD:
                 self.calls[index] += 1
                 self.order.append(index)
-                if torch._C._current_graph_task_id() != -1:
-                    self.backward_calls[index] += 1
-                elif not torch.is_grad_enabled():
+                if torch._C._current_graph_task_id() == -1 and not torch.is_grad_enabled():
                     self.no_grad[index] = True
                 if self.track:
                     self._link(index, args, kwargs)
                 for t in tree_leaves((args, kwargs)):
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         self.tensor_handles.append(t.register_hook(self._once(Event.BACKWARD_END, index)))
+
+        return hook
+
+    def _in_backward(self, index: int) -> Callable[..., None]:
+        def hook(_mod: nn.Module, _args: Any) -> None:
+            if torch._C._current_graph_task_id() != -1:
+                self.backward_calls[index] += 1
 
         return hook
 
@@ -262,6 +267,10 @@ class Probe:
                 # First of all pre-hooks: a hook may update state too (spectral norm's power iteration).
                 self.handles.append(mods[0].register_forward_pre_hook(self._buffer_pre(i), prepend=True))
                 self.handles.append(mods[-1].register_forward_hook(self._buffer_post(i)))
+                # Any module of the block run inside the backward: the model recomputes the block itself
+                # (HF's checkpointing calls the layer's forward past the layer's own hooks).
+                for sub in {id(x): x for m in mods for x in m.modules()}.values():
+                    self.handles.append(sub.register_forward_pre_hook(self._in_backward(i)))
         for j, sub in enumerate(self.subs):
             self.handles.append(sub.register_forward_pre_hook(self._pre(n + j, Event.SUB, j), with_kwargs=True))
             self.handles.append(sub.register_forward_hook(self._post(n + j, Event.SUB_END, j), with_kwargs=True))
