@@ -809,6 +809,12 @@ def blocks(
         BlockSelectionError: If nothing matches, a name does not exist, a group is not consecutive,
             or groups overlap.
     """
+    lazy = next((n for n, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)), None)
+    if lazy is not None:
+        raise BlockSelectionError(
+            f"blocks: parameter {lazy!r} of {type(model).__name__} is not initialized yet (a lazy module: "
+            "nn.LazyLinear ...); run one forward on a real batch first, then profile, plan and apply"
+        )
     if named is not None:
         if include is not None or types is not None or filter is not None:
             raise BlockSelectionError("blocks: named=... cannot be combined with include/types/filter; use one of them")

@@ -626,3 +626,25 @@ def test_blocks_drawing_from_python_and_numpy_generators_replay_exactly() -> Non
         remat.remove(model)
         assert all(torch.equal(a, b) for a, b in zip(plain[0], got[0])), strategy.label
         assert got[1:] == plain[1:]  # the generators end where the plain step leaves them
+
+
+def test_torch_func_transforms_and_lazy_modules_are_refused_clearly() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)))
+    x = torch.randn(4, 8)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (x,)).square().mean()
+
+    remat.apply(model, remat.full())
+    with pytest.raises(RematError, match="runs under a torch.func transform"):
+        torch.func.grad(loss)(params)
+    remat.remove(model)
+    assert torch.func.grad(loss)(params)["0.0.weight"].shape == (8, 8)
+    lazy = nn.Sequential(*(nn.Sequential(nn.LazyLinear(8), nn.Tanh()) for _ in range(3)))
+    with pytest.raises(RematError, match=r"parameter '0.0.weight' of Sequential is not initialized yet"):
+        remat.apply(lazy, remat.full())
+    lazy(x)
+    remat.apply(lazy, remat.full())
+    assert remat.check_gradients(lazy, remat.full(), x, lambda y: y.sum()).equal

@@ -857,6 +857,12 @@ def _invoke(
 ) -> Any:
     if not spans or not torch.is_grad_enabled():
         return _run(module, role, args, kwargs, replay)
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        raise RematError(
+            f"apply: module {role.name!r} runs under a torch.func transform (grad, vjp, vmap, jacrev), which "
+            "saved-tensor hooks and so checkpointing do not support; remat.remove(model) before the transform, "
+            "or differentiate with torch.autograd"
+        )
     leaves = tree_leaves((args, kwargs))
     rng = _rng_state(leaves, role.generators)
     guard = _StateGuard(module, role, leaves)
