@@ -70,9 +70,10 @@ call keeps that generator's state too, which its replay sets, putting the genera
 was afterwards. A generator a member first draws from on a later call than its first is not seen. An
 op-level policy (torch's selective checkpoint restores the default generators only) refuses such a
 member on its first call; the profile offers none for it. Python's ``random`` and numpy's global
-generator are compared before and after every call (a few microseconds); a call that drew from them
-keeps their states, which its replay sets, putting them back afterwards (an op-level policy refuses
-such a call).
+generator are compared before and after a member's first call (50 us), and every call after, if that
+one drew from them: such a call keeps their states, which its replay sets, putting them back
+afterwards (an op-level policy refuses such a member). A member that first draws from them on a later
+call is not seen, as for its own generators.
 """
 
 from __future__ import annotations
@@ -172,12 +173,13 @@ class _Role:
     # under recomputation ]); None until the first call; no check at all on a model sharded by FSDP2.
     param_slots: tuple[tuple[nn.Module, str], ...] | None = None
     check_params: bool = True
+    py_rng: bool = False  # its first call drew from Python's or numpy's global generator
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         # Learned again after loading.
         state["learned"], state["stateful"], state["norms"], state["generators"] = False, frozenset(), None, ()
-        state["param_slots"] = None
+        state["param_slots"], state["py_rng"] = None, False
         return state
 
 
@@ -799,10 +801,10 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
     assert role.policy is not None
     buffers = [(name, b, b._version) for name, b in module.named_buffers()]
     watch = GeneratorWatch() if not role.learned else contextlib.nullcontext()
-    py_before = _py_states()
+    py_before = _py_states() if not role.learned else None
     with watch:
         out = run_selective(_original(module, role), args, kwargs, role.policy)
-    if _py_drew(py_before):
+    if py_before is not None and _py_drew(py_before):
         raise RematError(
             f"apply: module {role.name!r} draws from Python's random or numpy's global generator, which torch's "
             "selective checkpoint does not restore, so an op-level policy (RecomputeOps) would draw other numbers "
@@ -867,7 +869,7 @@ def _invoke(
     rng = _rng_state(leaves, role.generators)
     guard = _StateGuard(module, role, leaves)
     params = _param_refs(module, role)
-    py_before = _py_states()
+    py_before = _py_states() if not role.learned or role.py_rng else None  # 50 us: learned on the first call
     watch = GeneratorWatch() if not role.learned else None
     with contextlib.ExitStack() as stack:
         recorded: list[tuple[_Frame, int]] = []
@@ -886,7 +888,8 @@ def _invoke(
         rng.generators.update(watch.found)
     state = guard.check(rng)
     _check_params_kept(role, params)
-    py_rng = py_before if _py_drew(py_before) else None
+    py_rng = py_before if py_before is not None and _py_drew(py_before) else None
+    role.py_rng = role.py_rng or py_rng is not None
     if watch is not None:
         role.generators = tuple(gen for gen, _ in watch.found.values())
     end_rng = _digest(torch.get_rng_state()) if any(pos + 1 < span.size for span, pos in spans) else None
