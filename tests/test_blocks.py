@@ -549,6 +549,18 @@ class _Spare(nn.Module):
         return self.act(self.fc(x))
 
 
+class _NotSelf(nn.Module):
+    """Names its first argument ``s``, not ``self``, and calls its children against registration order."""
+
+    def __init__(s, d: int) -> None:  # noqa: N805
+        super().__init__()
+        s.fc = nn.Linear(d, d)
+        s.norm = nn.LayerNorm(d)
+
+    def forward(s, x: torch.Tensor) -> torch.Tensor:  # noqa: N805
+        return s.fc(s.norm(x))
+
+
 class _Tagged(nn.Sequential):
     """A Sequential subclass: a module of its own kind, split no further."""
 
@@ -581,6 +593,8 @@ def test_split_blocks_are_the_children_in_call_order() -> None:
     ]
     prof = remat.profile(gpt, torch.randn(4, 8), lambda y: y.sum(), blocks=remat.blocks(gpt, split=True), repeats=1)
     assert len(prof.blocks) == 10
+    not_self = nn.Sequential(_NotSelf(8), _NotSelf(8))
+    assert [b.name for b in remat.blocks(not_self, split=True)] == ["0.norm", "0.fc", "1.norm", "1.fc"]
     # A child the forward never names is no block (it would never run: the profile would refuse it).
     spare = nn.Sequential(_Spare(8), _Spare(8))
     assert [b.name for b in remat.blocks(spare, split=True)] == ["0.fc", "0.act", "1.fc", "1.act"]

@@ -250,6 +250,8 @@ def _read_source(cls: type) -> _Source:
             return
         parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         uses: list[tuple[tuple[int, int], str]] = []  # (when it runs, self.<name>)
+        top = tree.body[0] if tree.body else None
+        me = top.args.args[0].arg if isinstance(top, ast.FunctionDef) and top.args.args else "self"
         for node in ast.walk(tree):
             if isinstance(node, ast.Name):
                 names.add(node.id)
@@ -258,7 +260,7 @@ def _read_source(cls: type) -> _Source:
             elif isinstance(node, ast.Attribute):
                 names.add(node.attr)
                 # `self.x is None` runs nothing: not a use.
-                if isinstance(node.value, ast.Name) and node.value.id == "self":
+                if isinstance(node.value, ast.Name) and node.value.id == me:
                     if not isinstance(parents.get(id(node)), ast.Compare):
                         uses.append((_when(node, parents), node.attr))
         for _, name in sorted(uses):
