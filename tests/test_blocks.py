@@ -646,3 +646,52 @@ def test_split_blocks_end_segments_after_a_projection_exactly() -> None:
         remat.remove(model)
         # Within 1 KiB (0.04%) above: the checkpoint's own small tensors (its RNG state is charged).
         assert plan.predicted_peak_bytes is not None and measured <= plan.predicted_peak_bytes + 1024
+
+
+class _HeldAcross(nn.Module):
+    """GPT-NeoX's parallel residual: the attention branch's output (after its dropout) is held by the
+    layer's own code until it is summed with the MLP's, after later children ran."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.Linear(d, d)
+        self.drop = nn.Dropout(0.1)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.drop(self.attn(self.ln1(x)))
+        return x + a + self.mlp(self.ln2(x))
+
+
+def test_split_segments_hold_what_the_layers_code_holds_across_them() -> None:
+    # A segment from the dropout up to the MLP holds the dropout's output (the layer sums it later)
+    # though it is not the segment's output: measured 6.7% above the prediction (16 KiB). Now 3.2-3.4%
+    # (8 KiB, one [64, 32] tensor still unaccounted on most of these plans: README, Known limits).
+    from remat.core.ops import Keep, Recompute
+    from remat.plan.planner import plan_from_ops
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_HeldAcross(32), _HeldAcross(32))
+    x = torch.randn(64, 32)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.pow(2).mean()
+
+    blocks = remat.blocks(model, split=True)
+    n = len(blocks)
+    prof = remat.profile(model, x, loss_fn, blocks=blocks, repeats=1)
+    for a, b in [(2, 4), (2, 5), (1, 4), (2, 3), (8, 11)]:
+        ops = (
+            *(Keep(i) for i in range(a)),
+            Recompute(a, b, tuple(Keep(i) for i in range(a, b))),
+            *(Keep(i) for i in range(b, n)),
+        )
+        plan = plan_from_ops(prof, ops, "by hand")
+        assert remat.check_gradients(model, plan, x, loss_fn).exact
+        remat.apply(model, plan)
+        measured = remat.measure(model, x, loss_fn, steps=1).peak_bytes
+        remat.remove(model)
+        assert plan.predicted_peak_bytes is not None
+        assert measured <= 1.04 * plan.predicted_peak_bytes, (plan.describe(), measured, plan.predicted_peak_bytes)

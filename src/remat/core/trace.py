@@ -68,7 +68,7 @@ __all__ = [
     "held_bytes",
     "device_of",
     "timed_steps",
-    "live_allocations",
+    "allocation_lifetimes",
 ]
 
 MARK_PREFIX = "remat::"
@@ -345,37 +345,30 @@ def record_memory(step: Callable[[], Any], device: torch.device) -> MemoryTrace:
     )
 
 
-def live_allocations(
-    step: Callable[[], Any], device: torch.device, at: str
-) -> tuple[dict[int, tuple[int, int]], dict[str, int]]:
-    """Run ``step`` under the torch profiler; the allocations still alive at the marker ``at``.
+def allocation_lifetimes(
+    step: Callable[[], Any], device: torch.device
+) -> tuple[list[tuple[int, int, int, int | None]], dict[str, int]]:
+    """Run ``step`` under the torch profiler; every allocation it made and when it was freed.
 
     Returns:
-        ``ptr -> (bytes, allocation time in ns)`` for every block of memory allocated during the step
-        and not freed by the marker, and the time of every marker (its first occurrence), ns.
-
-    Raises:
-        RematError: If the step left no marker ``at``.
+        ``(ptr, bytes, allocation time, free time or None)`` per block of memory allocated during the
+        step (times in ns; ``None``: still alive at the step's end), and the time of every marker (its
+        first occurrence), ns.
     """
     events = _profiled(step, device)
     times: dict[str, int] = {}
     for name, t in events.marks:
         times.setdefault(name, t)
-    if at not in times:
-        raise RematError(
-            f"measure: the profiler lost remat's {at!r} marker: a block ran on another thread than the one that "
-            "runs the step (the profiler records that thread only; run the blocks on it), or another profiler is "
-            "active (run with none)"
-        )
-    live: dict[int, tuple[int, int]] = {}
+    out: list[tuple[int, int, int, int | None]] = []
+    open_: dict[int, int] = {}
     for t, ptr, size in events.allocs:
-        if t > times[at]:
-            break
         if size > 0:
-            live[ptr] = (size, t)
-        else:
-            live.pop(ptr, None)
-    return live, times
+            open_[ptr] = len(out)
+            out.append((ptr, size, t, None))
+        elif ptr in open_:
+            j = open_.pop(ptr)
+            out[j] = (*out[j][:3], t)
+    return out, times
 
 
 def timed_steps(step: Callable[[], Any], device: torch.device, repeats: int) -> list[float]:

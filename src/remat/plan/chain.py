@@ -292,9 +292,17 @@ class Chain:
         backward) runs, bytes: the first block's input that the checkpoint holds and the plain step frees
         (``freed_input_bytes``), and for several blocks what the gap after the last one released
         (``released_bytes``): ``segment_bytes`` no longer holds it, while the replayed last block's ``S'``
-        nets it once more (a single block's ``freed_input_bytes`` already makes up for its whole gap)."""
+        nets it once more (a single block's ``freed_input_bytes`` already makes up for its whole gap); and
+        for several blocks the last one's ``freed_input_bytes`` too: ``pending_grad_bytes`` is measured
+        against the level at the end of its forward, which still held that input, so it nets its free,
+        while a segment never held it (made inside the segment: GPT-NeoX's attention output, freed by the
+        attention dropout's gap). That one is on the safe side through the inner backward."""
         last = stop - 1
-        return int(self.freed_input_bytes[start]) + (int(self.released_bytes[last]) if last > start else 0)
+        if last == start:
+            return int(self.freed_input_bytes[start])
+        return sum(
+            int(v) for v in (self.freed_input_bytes[start], self.freed_input_bytes[last], self.released_bytes[last])
+        )
 
 
 def _freed_inputs(profile: Profile) -> tuple[int, ...]:

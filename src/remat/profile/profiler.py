@@ -25,10 +25,10 @@ from remat.core.trace import (
     Iteration,
     MemoryTrace,
     OptimizerLike,
+    allocation_lifetimes,
     call_model,
     device_of,
     iteration,
-    live_allocations,
     mark,
     median,
     record_memory,
@@ -257,11 +257,11 @@ def profile(
         gaps = _gaps(trace, n)
         # Scalars a forward caches (a few bytes) do not make a model less of a chain.
         slack = [max(1024, sum(tracked.outputs[i].values()) // 100) for i in range(n)]
-        reused = _reused(tracked)
+        reused = [p[2] for p in pinned]  # own outputs alive past the next block (NOTE [ What stays alive anyway ])
         chain = (
             all(tracked.linked[1:])
             and not any(reused[: n - 1])
-            and all(max(0, gaps[i]) + sum(pinned[i]) <= slack[i] for i in range(n - 1))
+            and all(max(0, gaps[i]) + pinned[i][0] + pinned[i][1] <= slack[i] for i in range(n - 1))
         )
 
         # Times: wall clock at each boundary, median over repeats, for the plain model and (NOTE
@@ -335,6 +335,9 @@ def profile(
 # (so at least through the chain's forward, where the peak of a step usually is): those are
 # held whatever the plan (``pinned_bytes``; ``pinned_out_bytes`` for the block's outputs), so the
 # chain model charges them to segments too (NOTE [ Chain cost model ] in ``remat.plan.chain``).
+# The same run gives ``reused_bytes``: a block's own output still alive when the block after next
+# starts (a later block takes it, or the model's code holds it for a sum after later blocks), which a
+# segment going on past the block holds though it is not the segment's output.
 
 
 def _pinned(
@@ -343,7 +346,7 @@ def _pinned(
     loss_fn: Callable[[Any], torch.Tensor],
     block_list: Sequence[Block],
     dev: torch.device,
-) -> list[tuple[int, int]]:
+) -> list[tuple[int, int, int]]:
     members = resolve(model, block_list)
     params = set(storages(list(model.parameters()), set()))
     outs: list[set[int]] = [set() for _ in block_list]
@@ -372,39 +375,52 @@ def _pinned(
             del out, loss
 
     try:
-        # Alive at the end of the last block's forward: held at least through the chain's forward,
-        # where its peak usually is (a list of hidden states freed when the model returns counts).
-        live, times = live_allocations(forward, dev, f"p{len(block_list) - 1}")
+        allocs, times = allocation_lifetimes(forward, dev)
     finally:
         for h in handles:
             h.remove()
-    spans = [(times.get(f"P{i}", -1), times.get(f"p{i}", -1)) for i in range(len(block_list))]
-    result = [[0, 0] for _ in block_list]
-    for ptr, (size, t) in live.items():
-        if ptr in last_inputs:
+    n = len(block_list)
+    end_key = f"p{n - 1}"
+    if end_key not in times:
+        raise RematError(
+            f"measure: the profiler lost remat's {end_key!r} marker: a block ran on another thread than the one that "
+            "runs the step (the profiler records that thread only; run the blocks on it), or another profiler is "
+            "active (run with none)"
+        )
+    t_end = times[end_key]
+
+    def alive_at(t_alloc: int, t_free: int | None, t: int) -> bool:
+        return t_alloc <= t and (t_free is None or t_free > t)
+
+    spans = [(times.get(f"P{i}", -1), times.get(f"p{i}", -1)) for i in range(n)]
+    result = [[0, 0, 0] for _ in block_list]
+    for ptr, size, t, t_free in allocs:
+        owner = next((i for i, (a, b) in enumerate(spans) if a <= t <= b), None)
+        if owner is None:
             continue
-        for i, (a, b) in enumerate(spans):
-            if a <= t <= b:
-                result[i][1 if ptr in outs[i] else 0] += size
-                break
-    return [(a, b) for a, b in result]
-
-
-def _reused(tracked: Probe) -> list[int]:
-    """Bytes of each block's own output that a block other than the next one takes (a U-Net's skip):
-    held until that block's backward, also when the producing block is inside a segment."""
-    n = len(tracked.linked)
-    out = []
-    for i in range(n):
-        own = {p: s for p, s in tracked.outputs[i].items() if p not in tracked.inputs[i]}
-        later = set().union(*(tracked.inputs[j] for j in range(i + 2, n))) if i + 2 < n else set()
-        out.append(sum(s for p, s in own.items() if p in later))
-    return out
+        if alive_at(t, t_free, t_end) and ptr not in last_inputs:
+            # Alive at the end of the last block's forward: held at least through the chain's forward,
+            # where its peak usually is (a list of hidden states freed when the model returns counts).
+            result[owner][1 if ptr in outs[owner] else 0] += size
+        elif (
+            owner + 2 < n
+            and ptr in outs[owner]
+            and alive_at(t, t_free, spans[owner][1])
+            and alive_at(t, t_free, spans[owner + 2][0])
+        ):
+            # The block's own output, still alive when the block after next starts (BlockProfile.reused_bytes):
+            # a later block takes it (a U-Net's skip), or the model's code holds it and frees it later
+            # (GPT-NeoX's attn_output, the attention dropout's output summed into the residual after the
+            # MLP). A segment that goes on past the block holds it too, though it is not its output.
+            # Allocation lifetimes in this run, not data pointers across runs: a freed output's address
+            # that a later tensor reuses does not count.
+            result[owner][2] += size
+    return [(a, b, c) for a, b, c in result]
 
 
 def _reused_inputs(tracked: Probe, n: int) -> tuple[list[int], list[int]]:
     """Per block, the bytes of its inputs that are the own outputs of a block before the previous one
-    (``_reused``: T5's position bias, made by a stack's first layer and taken by every later one) and that
+    (T5's position bias, made by a stack's first layer and taken by every later one) and that
     no block saves: the plain step frees them where the model's code drops them (a stack returning, in
     a gap or in the head), while a segment whose blocks take them holds them to its backward (external
     arguments). Returns (all of them, for a segment starting at the block: ``unsaved_input_bytes``;

@@ -74,8 +74,10 @@ class BlockProfile:
             autograd saves nothing (held by the model or a hook), bytes.
         pinned_out_bytes: Bytes of its outputs that stay alive when autograd saves nothing (hidden
             states the model collects), bytes.
-        reused_bytes: Bytes of its own output that a block other than the next one takes (a U-Net's
-            skip): held to that block's backward, also when this block is inside a segment.
+        reused_bytes: Bytes of its own output still alive when the block after next starts, in a run
+            that saves nothing: a later block takes it (a U-Net's skip) or the model's code holds it
+            (GPT-NeoX's attention output, summed after the MLP); a segment going on past this block
+            holds it too, though it is not the segment's output.
         unlinked_bytes: Bytes of its inputs that are neither the previous block's outputs nor older
             tensors (``x + stage(x)`` made between blocks): a segment going on through it holds them.
         unsaved_input_bytes: The part of ``unlinked_bytes`` that its own forward does not save: the
