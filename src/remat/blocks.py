@@ -800,8 +800,9 @@ def blocks(
         filter: ``(module, fqn) -> bool`` choosing modules.
         named: Groups of module FQNs; each group is one block (a single name is a one-module block).
         split: Each block found (by default or by the selectors) replaced by its child modules, in the
-            order its ``forward`` calls them, a plain ``nn.Sequential`` child by its own children
-            (NOTE [ Split blocks ]); a block without children stays.
+            order its ``forward`` calls them, a plain ``nn.Sequential`` child by its own children,
+            children its ``forward`` never names left out (NOTE [ Split blocks ]); a block without
+            children stays.
 
     Returns:
         The blocks in forward order (as above for the default; as selected or registered otherwise),
