@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
+import remat
 from remat.models import Workload, workload
 
 
@@ -68,3 +72,15 @@ def small_mlp() -> Workload:
 @pytest.fixture
 def small_resnet() -> Workload:
     return workload("resnet", layers=(1, 1), width=8, image_size=16, batch=4)
+
+
+def exact_peak(model: nn.Module, plan: Any, inputs: Any, loss_fn: Callable[[Any], torch.Tensor]) -> int:
+    """The measured peak of one step of ``model`` under ``plan``, after checking its gradients are bitwise
+    the plain model's; the model is left without the plan."""
+    check = remat.check_gradients(model, plan, inputs, loss_fn)
+    assert check.equal and check.exact, check.mismatched
+    remat.apply(model, plan)
+    try:
+        return remat.measure(model, inputs, loss_fn, steps=1).peak_bytes
+    finally:
+        remat.remove(model)

@@ -530,8 +530,7 @@ def _check_order(
             f"profile: block {again[0]!r} ran again in the backward ({len(again)} of {len(block_list)} blocks did): the model "
             "recomputes it itself (torch.utils.checkpoint in its forward, HF's gradient_checkpointing_enable() or "
             "TrainingArguments(gradient_checkpointing=True), reversible layers as HF Reformer's); turn that off "
-            "(model.gradient_checkpointing_disable()) "
-            "and let remat plan the recomputation"
+            "(model.gradient_checkpointing_disable()) and let remat plan the recomputation"
         )
     off = [block_list[i].name for i, flag in enumerate(no_grad) if flag]
     if off:
