@@ -201,6 +201,9 @@ class MemoryTrace:
         peak_bytes: The highest level, bytes (0 if the step never rose above its start).
         duration_ns: Length of the step, nanoseconds.
         device: ``"cpu"`` or ``"cuda"``.
+        ptrs: Address of the block each event allocated (positive ``deltas``) or freed (empty for a
+            trace made without them).
+        deltas: Bytes each event allocated (negative: freed).
     """
 
     t_ns: tuple[int, ...]
@@ -209,6 +212,23 @@ class MemoryTrace:
     peak_bytes: int
     duration_ns: int
     device: str
+    ptrs: tuple[int, ...] = ()
+    deltas: tuple[int, ...] = ()
+
+    def lifetimes(self) -> dict[int, list[tuple[int, int]]]:
+        """Address -> ``(allocated, freed)`` times of every block the step allocated there, in order (freed:
+        ``duration_ns`` if the step did not free it). An address names a block only with a time: the
+        allocator hands a freed block's address to a later allocation."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        born: dict[int, int] = {}
+        for when, ptr, delta in zip(self.t_ns, self.ptrs, self.deltas):
+            if delta > 0:
+                born[ptr] = when
+            elif ptr in born:
+                out.setdefault(ptr, []).append((born.pop(ptr), when))
+        for ptr, when in born.items():
+            out.setdefault(ptr, []).append((when, self.duration_ns))
+        return out
 
     def level_at(self, t: int) -> int:
         """Level at time ``t`` (after every event at or before it), bytes."""
@@ -327,12 +347,14 @@ def record_memory(step: Callable[[], Any], device: torch.device) -> MemoryTrace:
         start_alloc = torch.cuda.memory_allocated(device)
     events = _profiled(step, device)
     level, peak = 0, 0
-    t_ns, levels = [], []
-    for t, _ptr, delta in events.allocs:
+    t_ns, levels, ptrs, deltas = [], [], [], []
+    for t, ptr, delta in events.allocs:
         level += delta
         peak = max(peak, level)
         t_ns.append(t)
         levels.append(level)
+        ptrs.append(ptr)
+        deltas.append(delta)
     if device.type == "cuda":
         peak = int(torch.cuda.max_memory_allocated(device)) - int(start_alloc)
     return MemoryTrace(
@@ -342,6 +364,8 @@ def record_memory(step: Callable[[], Any], device: torch.device) -> MemoryTrace:
         peak_bytes=peak,
         duration_ns=events.duration_ns,
         device=device.type,
+        ptrs=tuple(ptrs),
+        deltas=tuple(deltas),
     )
 
 

@@ -70,7 +70,18 @@ above the activation gradients pending then (``pg[b - 1]``, ``pending_grad_bytes
 kept block includes but a replay's forward peaks do not: ``I`` runs ``pg[b - 1]`` higher too (its
 backward as well, on the safe side: a kept block's ``bp`` counts its own pending gradients again), and
 its forwards ``c`` higher still: the replay forks the RNG and holds a copy of its state until it ends
-(``Chain.replay_above_bytes``). Gradients accumulate: a block's backward, and a recomputation, run above every gradient allocated before them (a segment's
+(``Chain.replay_above_bytes``). A tensor that blocks take from before a segment and that the plain step
+frees later in the forward (``late_inputs``: T5's position bias, made by a stack's first layer, taken by
+every layer, saved by none, dropped when the stack returns) is held by the segment's checkpoint to its
+backward: freed after the segment (a later gap, the head), ``segment_bytes`` holds it (one copy too many
+from the segment's end to that free, on the safe side); freed in the gap after one of the segment's blocks
+but the first (whose gap ``fi`` covers), ``I`` runs that much higher (``Chain.replay_hold_bytes``). The
+simulator charges each such tensor once, by the first open checkpoint that holds it (two checkpoints over
+the encoder's layers hold one bias), and a later segment holding one that an open checkpoint already
+charged frees it from the level where the plain step does, as a kept block would; the solvers charge it
+to every checkpoint (and ``_held`` to the segment ending at ``k`` that holds the most), on the safe side of
+the simulator. A recomputed last block's ``out_free`` counts its own outputs only: an input it passes
+through (the bias, returned with the hidden state) is the checkpoint's, not freed. Gradients accumulate: a block's backward, and a recomputation, run above every gradient allocated before them (a segment's
 replay runs after the blocks after it made theirs). The solvers only
 put several blocks in one segment across boundaries where nothing is held between them
 (``Chain.joinable``: the T5 encoder's blocks together, the decoder's together, not across): the
@@ -114,9 +125,9 @@ class Chain:
         pre_peak_bytes: Peak before block 0 starts, above the memory held before the step, bytes.
         tail_peak_bytes: Peak after block 0's backward (the rest of the backward and the optimizer
             step), above ``base_bytes``, bytes.
-        out_free_bytes: Bytes of each block's output that the block does not save itself (default 0):
-            when the block ends a recomputed region, torch stops the recomputation before (or frees
-            right after) producing them, so they are not held during its backward.
+        out_free_bytes: Bytes of each block's own output (not an input it passes through) that the block
+            does not save itself (default 0): when the block ends a recomputed region, torch stops the
+            recomputation before (or frees right after) producing them, so they are not held during its backward.
         ckpt_fwd_ms: Cost of each block's no-save forward under a checkpoint, milliseconds (default
             ``fwd_ms``). The profile measures it so that it also carries every overhead of
             checkpointing the block (hooks, RNG state, unpacking): a block checkpointed on its own
@@ -164,6 +175,10 @@ class Chain:
             NOTE [ State under recomputation ] in ``remat.core.runtime``; default all ``True``).
         grad_bytes: Bytes of parameter gradients each block's backward allocates (entry ``n``: the
             head's), held from then to the end of the iteration (default 0: gradients held before it).
+        late_inputs: Block inputs the plain step frees in the forward after the block that takes them
+            last, one ``(bytes, producer, freed_after, users)`` per tensor (``remat.profile.types.LateInput``;
+            not per block: any number of entries, default none). A segment over blocks that take one from
+            before it holds it to its backward (``late_held_bytes``, ``late_replay_bytes``).
     """
 
     fwd_ms: tuple[float, ...]
@@ -194,12 +209,15 @@ class Chain:
     recomputable: tuple[bool, ...] = ()
     grad_bytes: tuple[int, ...] = ()
     joinable: tuple[bool, ...] = ()
+    late_inputs: tuple[tuple[int, int, int, tuple[int, ...]], ...] = ()
     # Derived in __post_init__: n, and prefix sums over the blocks for segment_bytes.
     _n: int = field(init=False, repr=False, compare=False)
     _inside: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _before_last: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _unlinked: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _rng_copies: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _late_held: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    _late_replay: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.joinable:
@@ -227,7 +245,11 @@ class Chain:
             object.__setattr__(self, "out_free_bytes", (0,) * len(self.fwd_ms))
         if not self.ckpt_fwd_ms:
             object.__setattr__(self, "ckpt_fwd_ms", tuple(self.fwd_ms))
-        sizes = {f.name: len(v) for f in fields(self) if f.init and isinstance(v := getattr(self, f.name), tuple)}
+        sizes = {
+            f.name: len(v)
+            for f in fields(self)
+            if f.init and f.name != "late_inputs" and isinstance(v := getattr(self, f.name), tuple)
+        }
         if len(set(sizes.values())) != 1 or next(iter(sizes.values())) < 1:
             raise RematError(f"chain: per-block tuples must all have n + 1 >= 1 entries (the head last); got {sizes}")
         # Prefix sums for segment_bytes, which the simulator and the solvers call for every segment.
@@ -244,6 +266,9 @@ class Chain:
         object.__setattr__(self, "_before_last", tuple(itertools.accumulate(before_last, initial=0)))
         object.__setattr__(self, "_unlinked", tuple(itertools.accumulate(map(int, self.unlinked_bytes), initial=0)))
         object.__setattr__(self, "_rng_copies", tuple(itertools.accumulate(map(int, self.rng_copy_bytes), initial=0)))
+        held, replay = _late_tables(self.late_inputs, n)
+        object.__setattr__(self, "_late_held", held)
+        object.__setattr__(self, "_late_replay", replay)
 
     @property
     def n(self) -> int:
@@ -277,7 +302,41 @@ class Chain:
             + self._rng_copies[stop]
             - self._rng_copies[start + 1]
             - int(self.released_bytes[stop - 1])
+            + self.late_held_bytes(start, stop)
         )
+
+    def late_held_bytes(self, start: int, stop: int) -> int:
+        """Bytes of the inputs a segment ``start..stop-1`` takes from before it that the plain step frees
+        in the forward after the segment, or in the head (``late_inputs``): the segment holds them from its
+        forward to its backward (from its end to where the plain step frees them, one copy too many)."""
+        return self._late_held[start][stop] if self._late_held else 0
+
+    def late_records(
+        self, start: int, stop: int
+    ) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+        """``(index in late_inputs, bytes)`` of the late inputs a segment ``start..stop-1`` takes from before
+        it: those it holds from its end (``late_held_bytes``), those the plain step frees after one of its
+        blocks (in its gap: the segment holds them without charge), and of these, those freed after a
+        block other than the first (``late_replay_bytes``). For the simulator, which charges each once
+        while a checkpoint holds it (two checkpoints over blocks that take T5's bias hold one tensor)."""
+        held, inside, replay = [], [], []
+        for i, (nbytes, producer, freed_after, users) in enumerate(self.late_inputs):
+            if producer >= start or nbytes <= 0 or not any(start <= u < stop for u in users):
+                continue
+            if freed_after >= stop:
+                held.append((i, int(nbytes)))
+                continue
+            inside.append((i, int(nbytes)))
+            if freed_after > start:
+                replay.append((i, int(nbytes)))
+        return tuple(held), tuple(inside), tuple(replay)
+
+    def late_replay_bytes(self, start: int, stop: int) -> int:
+        """Bytes of the inputs a segment ``start..stop-1`` takes from before it that the plain step frees in
+        the gap after one of its blocks other than the first (``late_inputs``; the first block's:
+        ``freed_input_bytes``): its replayed blocks free them from ``S'`` and charge ``bp`` without them,
+        while the checkpoint holds them through its replay and backward."""
+        return self._late_replay[start][stop] if self._late_replay else 0
 
     def replay_above_bytes(self, last: int) -> int:
         """How much higher than the level the simulator tracks the replay of a segment ending with block
@@ -299,10 +358,41 @@ class Chain:
         attention dropout's gap). That one is on the safe side through the inner backward."""
         last = stop - 1
         if last == start:
-            return int(self.freed_input_bytes[start])
-        return sum(
-            int(v) for v in (self.freed_input_bytes[start], self.freed_input_bytes[last], self.released_bytes[last])
+            return int(self.freed_input_bytes[start]) + self.late_replay_bytes(start, stop)
+        # A late input freed in the last block's gap is that block's freed_input_bytes too: counted once.
+        at_last = sum(b for i, b in self.late_records(start, stop)[2] if self.late_inputs[i][2] == last)
+        return (
+            sum(
+                int(v) for v in (self.freed_input_bytes[start], self.freed_input_bytes[last], self.released_bytes[last])
+            )
+            + self.late_replay_bytes(start, stop)
+            - min(at_last, int(self.freed_input_bytes[last]))
         )
+
+
+def _late_tables(
+    late: tuple[tuple[int, int, int, tuple[int, ...]], ...], n: int
+) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """``[start][stop]`` tables of ``Chain.late_held_bytes`` and ``Chain.late_replay_bytes`` (empty without
+    late inputs)."""
+    if not late:
+        return (), ()
+    # stop runs to n + 1: the solver's tables ask for one past the head (never a segment: 0).
+    held = [[0] * (n + 2) for _ in range(n + 1)]
+    replay = [[0] * (n + 2) for _ in range(n + 1)]
+    for nbytes, producer, freed_after, users in late:
+        ordered = sorted(u for u in users if 0 <= u < n)
+        if not ordered or nbytes <= 0:
+            continue
+        for start in range(max(0, producer + 1), ordered[-1] + 1):
+            # A segment from ``start`` takes it from before it once it reaches its first user from there.
+            first = next(u for u in ordered if u >= start)
+            for stop in range(first + 1, min(freed_after, n) + 1):
+                held[start][stop] += nbytes  # freed after the segment (or in the head)
+            if freed_after > start:
+                for stop in range(max(first, freed_after) + 1, n + 1):
+                    replay[start][stop] += nbytes  # freed in the gap after one of its later blocks
+    return tuple(map(tuple, held)), tuple(map(tuple, replay))
 
 
 def _freed_inputs(profile: Profile) -> tuple[int, ...]:
@@ -310,8 +400,11 @@ def _freed_inputs(profile: Profile) -> tuple[int, ...]:
     bps = profile.block_profiles
     out = [max(0, -b.gap_bytes) for b in bps]
     if len(bps) > 1 and profile.block_ops:
-        # The last block's gap is the head's: its input, less what it saves of it (the op profile knows).
-        out[-1] = max(out[-1], bps[-2].own_output_bytes - profile.block_ops[-1].input_saved_bytes)
+        # The last block's gap is the head's: its input, less what it saves of it (the op profile knows),
+        # less the late inputs the head frees (Chain.late_held_bytes holds them through the replay too).
+        last = len(bps) - 1
+        late = sum(li.nbytes for li in profile.late_inputs if li.producer < last < li.freed_after and last in li.users)
+        out[-1] = max(out[-1], bps[-2].own_output_bytes - profile.block_ops[-1].input_saved_bytes - late)
     return tuple(out)
 
 
@@ -361,7 +454,12 @@ def chain_of(profile: Profile) -> Chain:
         # After block 0's backward nothing depends on the plan: the rest of the backward, then the
         # optimizer's step (measured above the held memory, every gradient allocated).
         tail_peak_bytes=max(profile.tail_peak_bytes, profile.optimizer_peak_bytes - profile.base_bytes),
-        out_free_bytes=tuple(b.output_bytes - b.output_saved_bytes for b in bps) + (0,),
+        # Only the block's own outputs: an input it passes through (T5's position bias, returned with the
+        # hidden state) is the segment's input, which the checkpoint holds (at most own - own saved).
+        out_free_bytes=tuple(
+            max(0, min(b.output_bytes - b.output_saved_bytes, b.own_output_bytes - b.output_saved_bytes)) for b in bps
+        )
+        + (0,),
         ckpt_fwd_ms=tuple(max(b.ckpt_fwd_ms, b.fwd_ms) for b in bps) + (profile.head_ms,),
         ckpt_call_ms=profile.ckpt_call_ms,
         stop_ms=tuple(b.stop_ms for b in bps) + (0.0,),
@@ -380,4 +478,5 @@ def chain_of(profile: Profile) -> Chain:
         recomputable=tuple(not b.stateful and not b.edits_input for b in bps) + (True,),
         joinable=joinable + (True,),
         grad_bytes=tuple(b.grad_bytes for b in bps) + (profile.head_grad_bytes,),
+        late_inputs=tuple((li.nbytes, li.producer, li.freed_after, tuple(li.users)) for li in profile.late_inputs),
     )

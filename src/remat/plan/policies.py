@@ -363,16 +363,20 @@ def _held_inputs(profile: Profile, i: int) -> int:
     rebinding ``x``: a negative gap), and so an input made between blocks that it does not save
     (``unsaved_input_bytes``); a segment charges the same (NOTE [ Chain cost model ]). The last
     block's gap is the head's, so there the previous block's output that it does not save is charged.
+    And an input from an earlier block that the plain step frees later in the forward (``late_inputs``).
     """
     bp = profile.block_profiles[i]
     # Of a negative gap, only the block's inputs that it does not save (the rest is freed anyway:
     # Chain.released_bytes).
     unsaved_inputs = max(0, bp.input_bytes - profile.block_ops[i].input_saved_bytes)
     held = min(max(0, -bp.gap_bytes), unsaved_inputs) + bp.unsaved_input_bytes
+    # And the inputs from before the block that the plain step frees in the forward after it (T5's position
+    # bias, dropped when the stack returns: Profile.late_inputs, Chain.late_held_bytes).
+    late = sum(li.nbytes for li in profile.late_inputs if li.producer < i < li.freed_after and i in li.users)
     if i == len(profile.block_profiles) - 1 and i > 0:
         unsaved = profile.block_profiles[i - 1].own_output_bytes - profile.block_ops[i].input_saved_bytes
-        held = max(held, unsaved)
-    return held
+        held = max(held, unsaved - late)  # the head frees it: a late input, if the profile found it
+    return held + late
 
 
 def op_costs(profile: Profile) -> dict[tuple[int, RecomputeOps], tuple[int, float, int]]:

@@ -209,6 +209,20 @@ class _Simulator:
         self.level = chain.base_bytes
         self.peak = chain.base_bytes
         self.extra_ms = 0.0
+        # Late inputs (Chain.late_inputs) that an open checkpoint holds from its end: one tensor, charged
+        # once, by the first (Chain.late_records); per checkpoint: the bytes it charged, and which.
+        self.late_open: set[int] = set()
+        self.late_charged: dict[int, tuple[int, tuple[int, ...]]] = {}
+
+    def _late(self, op: Recompute) -> tuple[int, tuple[int, ...]]:
+        """What a checkpoint charges for the late inputs it holds from its end that no open checkpoint
+        holds yet (they are open until its backward ends), less those an open checkpoint holds that the
+        plain step frees after one of its blocks: the segment frees them from the level as a kept block
+        would (the open checkpoint charged them from its end on)."""
+        held, inside, _replay = self.chain.late_records(op.start, op.stop)
+        fresh = tuple(i for i, _ in held if i not in self.late_open)
+        size = dict(held)
+        return sum(size[i] for i in fresh) - sum(nbytes for i, nbytes in inside if i in self.late_open), fresh
 
     def _block_sizes(self, op: Keep | RecomputeSub | RecomputeOps) -> tuple[int, int, int]:
         """(S, fp, bp) of a normally run block; RecomputeSub / RecomputeOps lower them by the saved bytes."""
@@ -238,15 +252,23 @@ class _Simulator:
             for q in range(op.start, op.stop):
                 # What the segment already holds from its earlier blocks (NOTE [ Chain cost model ]; what
                 # the gap after block q-1 released is not credited here, as in the solvers' nosave).
+                # Nor the late inputs it holds from its end: they are still alive here in the plain step too.
                 held = (
-                    c.segment_bytes(op.start, q) + int(c.released_bytes[q - 1]) - c.x_bytes[q] - c.ckpt_state_bytes
+                    c.segment_bytes(op.start, q)
+                    + int(c.released_bytes[q - 1])
+                    - c.x_bytes[q]
+                    - c.ckpt_state_bytes
+                    - c.late_held_bytes(op.start, q)
                     if q > op.start
                     else 0
                 )
                 self._rise(c.ckpt_state_bytes + c.fwd_peak_bytes[q] + (c.x_bytes[q] if q > op.start else 0) + held)
                 # The no-save run costs ckpt_fwd_ms; the plain forward counted once is then not run.
                 self.extra_ms += float(c.ckpt_fwd_ms[q]) - (0.0 if replay else float(c.fwd_ms[q]))
-            self.level += c.segment_bytes(op.start, op.stop)
+            late = self._late(op)
+            self.late_charged[id(op)] = late
+            self.late_open.update(late[1])
+            self.level += c.segment_bytes(op.start, op.stop) - c.late_held_bytes(op.start, op.stop) + late[0]
             return
         keep, fwd_peak, _ = self._block_sizes(op)
         self._rise(fwd_peak)
@@ -262,7 +284,9 @@ class _Simulator:
             # The checkpoint holds the segment's input through the replay and its backward, where the
             # replayed first block's gap (a plain step's) would free it: hold it back.
             # And it replays above the activation gradients pending when the backward reaches its last block.
-            hold = self.chain.replay_hold_bytes(op.start, op.stop)  # (what the last block's gap released)
+            late_held, late_ids = self.late_charged.pop(id(op))
+            # (what the last block's gap released, and late inputs its blocks free: Chain.late_replay_bytes)
+            hold = self.chain.replay_hold_bytes(op.start, op.stop)
             pending = self.chain.replay_above_bytes(op.stop - 1)  # and the RNG state its replay forks
             self.level += hold + pending  # the replay runs when the backward reaches the last block
             for i, inner_op in enumerate(op.inner):
@@ -273,7 +297,9 @@ class _Simulator:
             for i in range(last, -1, -1):
                 self.backward(op.inner[i], discard=freed if i == last else 0)
             self.level -= hold
-            self.level -= self.chain.segment_bytes(op.start, op.stop)
+            self.level -= self.chain.segment_bytes(op.start, op.stop) - self.chain.late_held_bytes(op.start, op.stop)
+            self.level -= late_held
+            self.late_open.difference_update(late_ids)
             return
         keep, _, bwd_peak = self._block_sizes(op)
         self._rise(bwd_peak)
@@ -652,10 +678,18 @@ def _held(chain: Chain) -> list[int]:
             continue
         best, through = 0, 0
         s = k - 1
+        own_late = chain.late_held_bytes(k - 1, k)
         while s > 0 and chain.joinable[s - 1] and chain.recomputable[s - 1]:
             through += int(chain.unlinked_bytes[s])
             s -= 1
-            best = max(best, int(chain.unsaved_input_bytes[s]) + through - int(chain.unsaved_input_bytes[k - 1]))
+            best = max(
+                best,
+                int(chain.unsaved_input_bytes[s])
+                + through
+                - int(chain.unsaved_input_bytes[k - 1])
+                + chain.late_held_bytes(s, k)
+                - own_late,
+            )
         out.append(chain.segment_bytes(k - 1, k) + max(0, best))
     return out
 

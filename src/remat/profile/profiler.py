@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -37,7 +38,7 @@ from remat.core.trace import (
 from remat.core.wrapped import unwrap
 from remat.errors import BlockSelectionError, RematError
 from remat.profile.ops import EXTERNAL, BlockOps, profile_ops
-from remat.profile.types import BlockProfile, Profile, SubProfile
+from remat.profile.types import BlockProfile, LateInput, Profile, SubProfile
 
 __all__ = ["profile"]
 
@@ -308,8 +309,7 @@ def profile(
         selective,
         _stop_share(block_ops, n),
     )
-    prof = replace(prof, loop=it.loop, block_ops=block_ops)
-    reused_in, reused_through = _reused_inputs(tracked, n)
+    prof = replace(prof, loop=it.loop, block_ops=block_ops, late_inputs=_late_inputs(trace, tracked, n))
     bps = tuple(
         replace(
             bp,
@@ -317,8 +317,8 @@ def profile(
             pinned_bytes=pinned[i][0],
             pinned_out_bytes=pinned[i][1],
             reused_bytes=reused[i],
-            unlinked_bytes=tracked.unlinked[i] + reused_through[i],
-            unsaved_input_bytes=tracked.unsaved_unlinked(i) + reused_in[i],
+            unlinked_bytes=tracked.unlinked[i],
+            unsaved_input_bytes=tracked.unsaved_unlinked(i),
             generator_state_bytes=block_ops[i].generator_state_bytes if block_ops else 0,
             fresh_rng=block_ops[i].fresh_rng if block_ops else False,
         )
@@ -418,26 +418,41 @@ def _pinned(
     return [(a, b, c) for a, b, c in result]
 
 
-def _reused_inputs(tracked: Probe, n: int) -> tuple[list[int], list[int]]:
-    """Per block, the bytes of its inputs that are the own outputs of a block before the previous one
-    (T5's position bias, made by a stack's first layer and taken by every later one) and that
-    no block saves: the plain step frees them where the model's code drops them (a stack returning, in
-    a gap or in the head), while a segment whose blocks take them holds them to its backward (external
-    arguments). Returns (all of them, for a segment starting at the block: ``unsaved_input_bytes``;
-    those the previous block does not take too, for a segment going on through the block:
-    ``unlinked_bytes``)."""
-    saved_anywhere: set[int] = set().union(*(set(tracked.saved[q]) for q in range(n))) if n else set()
-    own = [{p: sz for p, sz in tracked.outputs[i].items() if p not in tracked.inputs[i]} for i in range(n)]
-    first, through = [], []
+def _late_inputs(trace: MemoryTrace, tracked: Probe, n: int) -> tuple[LateInput, ...]:
+    """The block inputs that the plain step frees in the forward after the block that takes them last
+    (``Profile.late_inputs``; NOTE [ Chain cost model ]): T5's position bias, made by a stack's first layer,
+    taken by every layer and saved by none, is dropped when the stack returns (in a gap, or in the head
+    for the last stack), while a checkpoint over layers that take it holds it to its backward.
+
+    A storage is named by its address and a time (the allocator reuses addresses): the allocation live
+    at that address when a block that takes it starts. Inputs the step did not allocate (held before it),
+    inputs freed in the backward and inputs made between blocks (``unlinked_bytes``, charged as such) are
+    left out.
+    """
+    marks = {name: ts[0] for name, ts in trace.mark_times().items()}
+    starts = [marks.get(f"{Event.FORWARD}{i}") for i in range(n)]
+    if not trace.ptrs or any(t is None for t in starts) or f"{Event.FORWARD_END}{n - 1}" not in marks:
+        return ()
+    begin: list[int] = [int(t) for t in starts if t is not None]
+    last_end = marks[f"{Event.FORWARD_END}{n - 1}"]
+    backward = min([t for name, t in marks.items() if name[:1] == str(Event.BACKWARD)], default=trace.duration_ns)
+    lives = trace.lifetimes()
+    unlinked = set().union(*(set(tracked._unlinked_storages[j]) for j in range(n))) if n else set()
+    found: dict[tuple[int, int], tuple[int, int, list[int]]] = {}  # (ptr, born) -> (bytes, freed, users)
     for j in range(n):
-        older: dict[int, int] = {}
-        for i in range(j - 1):
-            older.update(own[i])
-        taken = {p: sz for p, sz in tracked.inputs[j].items() if p in older and p not in saved_anywhere}
-        first.append(sum(taken.values()))
-        prev = tracked.inputs[j - 1] if j else {}
-        through.append(sum(sz for p, sz in taken.items() if p not in prev))
-    return first, through
+        for ptr, size in tracked.inputs[j].items():
+            span = next((lt for lt in lives.get(ptr, ()) if lt[0] <= begin[j] < lt[1]), None)
+            if span is None or ptr in unlinked:
+                continue
+            found.setdefault((ptr, span[0]), (size, span[1], []))[2].append(j)
+    out = []
+    for (_ptr, born), (size, freed, users) in sorted(found.items(), key=lambda kv: kv[0][1]):
+        if freed >= backward:
+            continue  # freed in the backward (saved, or held by the model): the plain step holds it as long
+        producer = bisect_right(begin, born) - 1
+        freed_after = n if freed >= last_end else bisect_right(begin, freed) - 1
+        out.append(LateInput(nbytes=int(size), producer=producer, freed_after=freed_after, users=tuple(users)))
+    return tuple(out)
 
 
 def _drop(_t: Any) -> Any:

@@ -4,14 +4,35 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from remat._json import Reader, load
 from remat.blocks import Block
 from remat.core.trace import Grads, Loop
 from remat.profile.ops import BlockOps
 
-__all__ = ["BlockProfile", "SubProfile", "Profile"]
+__all__ = ["BlockProfile", "LateInput", "SubProfile", "Profile"]
+
+
+class LateInput(NamedTuple):
+    """A tensor blocks take as input that the plain step frees in the forward after the block that takes
+    it last: T5's position bias, made by a stack's first layer, taken by every layer, saved by none, and
+    dropped when the stack returns. A checkpoint over blocks that take it holds it to its backward
+    (``Chain.late_inputs``).
+
+    Attributes:
+        nbytes: Its storage's bytes.
+        producer: The block whose forward (or the code after it, before the next block) allocated it;
+            -1 before block 0.
+        freed_after: The block after whose forward the plain step frees it: in the code before the next
+            block, or in that block's forward; ``n`` (the number of blocks) for the head.
+        users: The blocks that take it, in order.
+    """
+
+    nbytes: int
+    producer: int
+    freed_after: int
+    users: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -190,6 +211,8 @@ class Profile:
         optimizer_ms: Median time of the optimizer's step, milliseconds.
         block_ops: Per block, every op of its forward with what autograd saves (``remat.profile.ops``),
             for op-level policies; empty when profiled with ``ops=False``.
+        late_inputs: Block inputs the plain step frees in the forward after the block that takes them
+            last (:class:`LateInput`; inputs made between blocks excepted: ``unlinked_bytes``).
     """
 
     schema_version: ClassVar[int] = 1
@@ -217,6 +240,7 @@ class Profile:
     optimizer_peak_bytes: int = 0
     optimizer_ms: float = 0.0
     block_ops: tuple[BlockOps, ...] = ()
+    late_inputs: tuple[LateInput, ...] = ()
 
     def sub_costs(self) -> dict[tuple[int, tuple[str, ...]], tuple[int, float]]:
         """For ``RecomputeSub``: (bytes freed, recompute ms) of checkpointing each block's attention / FFN subs."""
