@@ -352,14 +352,16 @@ def _pinned(
     outs: list[set[int]] = [set() for _ in block_list]
     handles = []
     last_inputs: set[int] = set()  # alive at the end of the last block because it is running on them
+    ins: list[set[int]] = [set() for _ in block_list]  # each block's tensor arguments (alive at its call)
 
-    def pre(_m: nn.Module, args: Any, i: int) -> None:
+    def pre(_m: nn.Module, args: Any, kwargs: dict[str, Any], i: int) -> None:
+        ins[i].update(storages((args, kwargs), params))
         if i == len(members) - 1:
-            last_inputs.update(storages(args, params))
+            last_inputs.update(storages((args, kwargs), params))
         mark(f"P{i}")
 
     for i, mods in enumerate(members):
-        handles.append(mods[0].register_forward_pre_hook(lambda _m, a, i=i: pre(_m, a, i)))
+        handles.append(mods[0].register_forward_pre_hook(lambda _m, a, k, i=i: pre(_m, a, k, i), with_kwargs=True))
 
         def post(_m: nn.Module, _a: Any, out: Any, i: int = i) -> None:
             outs[i].update(storages(out, params))
@@ -407,11 +409,18 @@ def _pinned(
             and ptr in outs[owner]
             and alive_at(t, t_free, spans[owner][1])
             and alive_at(t, t_free, spans[owner + 2][0])
+            and (
+                ptr not in ins[owner + 1]
+                or any(ptr in ins[j] and alive_at(t, t_free, spans[j][0]) for j in range(owner + 2, n))
+            )
         ):
             # The block's own output, still alive when the block after next starts (BlockProfile.reused_bytes):
             # a later block takes it (a U-Net's skip), or the model's code holds it and frees it later
             # (GPT-NeoX's attn_output, the attention dropout's output summed into the residual after the
-            # MLP). A segment that goes on past the block holds it too, though it is not its output.
+            # MLP). A segment that goes on past the block holds it too, though it is not its output. Not
+            # the next block's input that only the calling code still refers to (an nn.Sequential of
+            # Sequentials holds one inner Sequential's output while the next runs): the next block holds
+            # that as its input (workload B's split plans were predicted 1.45x what they measured).
             # Allocation lifetimes in this run, not data pointers across runs: a freed output's address
             # that a later tensor reuses does not count.
             result[owner][2] += size
