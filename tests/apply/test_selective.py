@@ -245,6 +245,53 @@ def test_a_block_with_its_own_generator_gets_no_policy_and_a_forced_one_is_refus
     assert torch.equal(model[0].generator.get_state(), state)
 
 
+class _DropMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(32, 64), nn.Dropout(0.1), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.drop(torch.nn.functional.gelu(self.fc1(x))))
+
+
+def _policy_model() -> nn.Module:
+    from remat.core.ops import Keep, RecomputeOps
+    from remat.plan.types import Plan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_DropMLP(), _DropMLP(), nn.Linear(32, 1))
+    ops = (RecomputeOps(0, save=("gelu#0",), recompute=("addmm#0",)), Keep(1))
+    remat.apply(model, Plan(strategy="by hand", blocks=tuple(remat.blocks(model)), ops=ops))
+    return model
+
+
+@pytest.mark.parametrize("how", ["retain_graph", "create_graph"])
+def test_a_second_backward_through_a_policy_block_is_a_remat_error(how: str) -> None:
+    # torch's selective checkpoint consumes its cache in the first backward; the plain model (and a
+    # whole-block plan) runs both of these steps.
+    model = _policy_model()
+    loss = model(torch.randn(16, 32)).square().mean()
+    with pytest.raises(RematError, match=r"'0' runs under an op-level policy.*one backward only.*ops=False"):
+        if how == "retain_graph":
+            loss.backward(retain_graph=True)
+            loss.backward()
+        else:
+            grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+            (loss + sum(g.square().sum() for g in grads)).backward()
+
+
+@pytest.mark.parametrize("flip", ["eval", "requires_grad"])
+def test_a_mode_changed_between_forward_and_backward_of_a_policy_block_is_a_remat_error(flip: str) -> None:
+    model = _policy_model()
+    loss = model(torch.randn(16, 32)).square().mean()
+    if flip == "eval":
+        model.eval()
+    else:
+        model[0].fc2.bias.requires_grad_(False)
+    with pytest.raises(RematError, match=r"'0' runs under an op-level policy.*changed since its forward"):
+        loss.backward()
+
+
 class _TanhFirst(nn.Module):
     """``x + fc2(gelu(fc1(tanh(x))))``: tanh saves its output, the add nothing, so ``x`` is not saved."""
 

@@ -796,6 +796,51 @@ def _run(module: nn.Module, role: _Role | None, args: tuple[Any, ...], kwargs: d
             observer(module, False, raised)
 
 
+# torch's selective checkpoint consumes its cache in the first backward, and reads it by op order: its
+# errors for a second backward, or for a recomputation that runs other ops, name no module and no fix.
+_SAC_ERRORS = ("backward an extra time", "not found in storage")
+
+
+def _guarded_recompute(module: nn.Module, role: _Role) -> Callable[..., Any]:
+    """The block's forward for :func:`run_selective`: in the recomputation, first checks that no sub-module
+    changed train/eval mode and no parameter ``requires_grad`` since the forward (either changes which ops
+    run, and torch's cache is read by op order), and turns torch's own selective-checkpoint errors into a
+    :class:`RematError` that names the block and the fix."""
+    forward = _original(module, role)
+    modes = [(m, m.training) for m in module.modules()]
+    grads = [(p, p.requires_grad) for p in module.parameters()]
+    runs = 0
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal runs
+        runs += 1
+        if runs == 1:
+            return forward(*args, **kwargs)
+        flipped = [type(m).__name__ for m, training in modes if m.training != training]
+        flipped += [f"a parameter's requires_grad ({tuple(p.shape)})" for p, rg in grads if p.requires_grad != rg]
+        if flipped:
+            raise RematError(
+                f"apply: module {role.name!r} runs under an op-level policy (RecomputeOps) and its recomputation "
+                f"in the backward found {flipped[:3]} changed since its forward (train()/eval() or requires_grad "
+                "set between forward and backward); change them after the backward, or keep this block or "
+                "recompute it whole"
+            )
+        try:
+            return forward(*args, **kwargs)
+        except RuntimeError as e:
+            if not any(marker in str(e) for marker in _SAC_ERRORS):
+                raise
+            raise RematError(
+                f"apply: module {role.name!r} runs under an op-level policy (RecomputeOps), which torch's selective "
+                "checkpoint allows one backward only (its cache is consumed): a second backward through it "
+                "(retain_graph=True, a gradient penalty with create_graph=True) or a recomputation that runs "
+                f"other ops than the forward is not possible ({str(e).splitlines()[0]}); plan without op-level "
+                "policies (profile with remat.profile(..., ops=False)) or keep this block"
+            ) from e
+
+    return call
+
+
 def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A block under an op-level policy (NOTE [ Op-level policies ] in ``remat.core.selective``)."""
     assert role.policy is not None
@@ -803,7 +848,7 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
     watch = GeneratorWatch() if not role.learned else contextlib.nullcontext()
     py_before = _py_states() if not role.learned else None
     with watch:
-        out = run_selective(_original(module, role), args, kwargs, role.policy)
+        out = run_selective(_guarded_recompute(module, role), args, kwargs, role.policy)
     if py_before is not None and _py_drew(py_before):
         raise RematError(
             f"apply: module {role.name!r} draws from Python's random or numpy's global generator, which torch's "
