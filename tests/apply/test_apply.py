@@ -625,6 +625,60 @@ def test_blocks_drawing_from_python_and_numpy_generators_replay_exactly() -> Non
         assert got[1:] == plain[1:]  # the generators end where the plain step leaves them
 
 
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 16, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(attn.transpose(1, 2).reshape(2, 16, 32))
+
+
+class _Conv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.conv(x))
+
+
+@pytest.mark.parametrize("flags", ["sdpa_kernel(MATH)", "mkldnn off"])
+def test_replays_run_under_the_backend_flags_of_the_forward(flags: str) -> None:
+    # NOTE [ Backend flags under recomputation ]: flags set around the forward only. Before, the replay
+    # ran under the backward's flags: SDPA's fused CPU kernel saved other tensors than the math one
+    # (a RematError), and convolutions without oneDNN gave other gradients (silently).
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from remat.core.ops import RecomputeOps
+
+    torch.manual_seed(0)
+    if flags == "mkldnn off":
+        model, x = nn.Sequential(_Conv(), _Conv(), _Conv()), torch.randn(4, 8, 16, 16)
+        context: Any = lambda: torch.backends.mkldnn.flags(enabled=False)  # noqa: E731
+    else:
+        model, x = nn.Sequential(_Attention(), _Attention(), _Attention()), torch.randn(2, 16, 32)
+        context = lambda: sdpa_kernel(SDPBackend.MATH)  # noqa: E731
+
+    def step() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with context():
+            loss = model(x).square().mean()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    plain = step()
+    blocks = tuple(remat.blocks(model))
+    policy = Plan(strategy="by hand", blocks=blocks, ops=(RecomputeOps(0, ()), Keep(1), Keep(2)))
+    for plan in (remat.full(), remat.segments(1), policy):
+        remat.apply(model, plan)
+        got = step()
+        remat.remove(model)
+        assert all(torch.equal(a, b) for a, b in zip(plain, got)), plan
+
+
 def test_torch_func_transforms_and_lazy_modules_are_refused_clearly() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)))

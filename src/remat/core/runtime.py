@@ -29,9 +29,9 @@ members skipped) replays exactly; a pattern only changes how much the span holds
 that, and the planner avoids segments across such boundaries: NOTE [ Chain cost model ]).
 
 In the backward, the first unpack of a holder replays the recording: each recorded call, in order, with
-links resolved to the replayed outputs and external arguments unpacked, under the RNG, autocast and
-buffer state of that call, through the member's original ``forward`` (its hooks do not run again; an
-FSDP2 member is unsharded first). A replay hook fills the holders in the order they were packed,
+links resolved to the replayed outputs and external arguments unpacked, under the RNG, autocast,
+backend-flag (NOTE [ Backend flags under recomputation ]) and buffer state of that call, through the
+member's original ``forward`` (its hooks do not run again; an FSDP2 member is unsharded first). A replay hook fills the holders in the order they were packed,
 checks that every recomputed tensor has the shape, dtype and device the forward saved, and stops the
 replay as soon as every holder is filled (torch's early stop). A replay that saves fewer or more
 tensors, or different ones, raises a ``RematError`` naming the span: never a silent difference.
@@ -317,6 +317,54 @@ def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
     return tuple(out)
 
 
+# NOTE [ Backend flags under recomputation ]
+# Flags that choose kernels, and so the values a forward computes and the tensors it saves: an
+# ``sdpa_kernel(...)`` or ``torch.backends.mkldnn.flags(...)`` block around the forward only (the
+# backward outside it) is a common training-loop pattern. torch's checkpoint replays under the flags
+# of the backward; remat records them per call (about 15 C getters, 2 us) and a replay (or an
+# op-level policy's recomputation) sets those that differ, putting them back afterwards. Getters and
+# setters that this torch does not have are skipped.
+_FLAGS: tuple[tuple[Callable[[], Any], Callable[[Any], None]], ...] = tuple(
+    (getattr(torch._C, f"_get_{get}"), getattr(torch._C, f"_set_{put}"))
+    for get, put in (
+        ("mkldnn_enabled", "mkldnn_enabled"),
+        ("mkldnn_deterministic", "mkldnn_deterministic"),
+        ("flash_sdp_enabled", "sdp_use_flash"),
+        ("mem_efficient_sdp_enabled", "sdp_use_mem_efficient"),
+        ("math_sdp_enabled", "sdp_use_math"),
+        ("cudnn_sdp_enabled", "sdp_use_cudnn"),
+        ("overrideable_sdp_enabled", "sdp_use_overrideable"),
+        ("sdp_priority_order", "sdp_priority_order"),
+        ("math_sdp_allow_fp16_bf16_reduction", "math_sdp_allow_fp16_bf16_reduction"),
+        ("cudnn_enabled", "cudnn_enabled"),
+        ("cudnn_deterministic", "cudnn_deterministic"),
+        ("cudnn_allow_tf32", "cudnn_allow_tf32"),
+        ("cublas_allow_tf32", "cublas_allow_tf32"),
+        ("float32_matmul_precision", "float32_matmul_precision"),
+    )
+    if hasattr(torch._C, f"_get_{get}") and hasattr(torch._C, f"_set_{put}")
+)
+
+
+def _flags() -> tuple[Any, ...]:
+    return tuple(get() for get, _ in _FLAGS)
+
+
+@contextlib.contextmanager
+def _flags_as(recorded: tuple[Any, ...]) -> Iterator[None]:
+    """Sets the backend flags that differ from ``recorded`` (NOTE [ Backend flags under recomputation ])
+    for the block, and puts them back after."""
+    now = _flags()
+    changed = [(i, value) for i, value in enumerate(recorded) if now[i] != value]
+    for i, value in changed:
+        _FLAGS[i][1](value)
+    try:
+        yield
+    finally:
+        for i, _ in changed:
+            _FLAGS[i][1](now[i])
+
+
 @dataclass(eq=False)
 class _Call:
     """One recorded call of a member: enough to run it again with the same inputs and state."""
@@ -330,6 +378,7 @@ class _Call:
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
     state: dict[str, torch.Tensor]
     inner: tuple[tuple[_Span, int], ...]
+    flags: tuple[Any, ...] = ()  # backend flags at the call (NOTE [ Backend flags under recomputation ])
     params: tuple[tuple[nn.Module, str, torch.Tensor, int, int], ...] = ()  # (owner, name, tensor, version, address)
     py_rng: tuple[Any, Any] | None = None  # Python's and numpy's global RNG states, if the call drew from them
 
@@ -387,7 +436,7 @@ class _Frame:
             saver = _SaveInputs.apply(dummy, *external)
         if self.calls and self.end_rng is not None and rng.cpu is not None and _digest(rng.cpu) == self.end_rng:
             rng = _RngState(None, rng.cuda, rng.generators)
-        self.calls.append(_Call(module, role, spec, slots, saver, rng, _autocast_state(), state, inner))
+        self.calls.append(_Call(module, role, spec, slots, saver, rng, _autocast_state(), state, inner, _flags()))
         return len(self.calls) - 1
 
     def record_output(self, index: int, out: Any) -> None:
@@ -606,6 +655,7 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         with contextlib.ExitStack() as stack:
             for dev, enabled, dtype in call.autocast:
                 stack.enter_context(torch.autocast(dev, enabled=enabled, dtype=dtype))
+            stack.enter_context(_flags_as(call.flags))
             return _invoke(module, role, call.inner, args, kwargs, replay=True)
     finally:
         with torch.no_grad():
@@ -807,6 +857,7 @@ def _guarded_recompute(module: nn.Module, role: _Role) -> Callable[..., Any]:
     run, and torch's cache is read by op order), and turns torch's own selective-checkpoint errors into a
     :class:`RematError` that names the block and the fix."""
     forward = _original(module, role)
+    flags = _flags()
     modes = [(m, m.training) for m in module.modules()]
     grads = [(p, p.requires_grad) for p in module.parameters()]
     runs = 0
@@ -826,7 +877,8 @@ def _guarded_recompute(module: nn.Module, role: _Role) -> Callable[..., Any]:
                 "recompute it whole"
             )
         try:
-            return forward(*args, **kwargs)
+            with _flags_as(flags):
+                return forward(*args, **kwargs)
         except RuntimeError as e:
             if not any(marker in str(e) for marker in _SAC_ERRORS):
                 raise
