@@ -14,7 +14,11 @@ from remat.models import Workload, workload
 
 
 class Counted(nn.Module):
-    """A residual MLP block that counts how often its forward runs (recomputation included)."""
+    """A residual MLP block that counts how often its forward runs (recomputation included).
+
+    The count lives in a list: a replay sets a block's plain int attributes back to their values at the
+    call (NOTE [ State under recomputation ]), so an int would count the plain model's calls only.
+    """
 
     def __init__(self, d: int, p: float = 0.1) -> None:
         super().__init__()
@@ -22,10 +26,18 @@ class Counted(nn.Module):
         self.act = nn.GELU()
         self.drop = nn.Dropout(p)
         self.fc2 = nn.Linear(2 * d, d)
-        self.calls = 0
+        self.runs = [0]
+
+    @property
+    def calls(self) -> int:
+        return self.runs[0]
+
+    @calls.setter
+    def calls(self, value: int) -> None:
+        self.runs[0] = value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
+        self.runs[0] += 1
         return x + self.fc2(self.drop(self.act(self.fc1(x))))
 
 

@@ -679,6 +679,53 @@ def test_replays_run_under_the_backend_flags_of_the_forward(flags: str) -> None:
         assert all(torch.equal(a, b) for a, b in zip(plain, got)), plan
 
 
+class _Counting(nn.Module):
+    """Counts its calls and halves a scale each call, and computes with both (plain Python attributes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.calls, self.scale = 0, 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.scale *= 0.5
+        return torch.tanh(self.fc(x)) * (self.calls + self.scale)
+
+
+def test_replays_see_the_plain_attributes_the_forward_saw_and_leave_them_as_it_left_them() -> None:
+    # NOTE [ State under recomputation ]: before, a replay counted the call again and computed with
+    # the new count (every later step's gradients differed, the counters ended twice as high).
+    from remat.core.ops import RecomputeOps
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_Counting(), _Counting(), _Counting())
+    x = torch.randn(4, 8)
+    start = copy.deepcopy(model)
+
+    def steps(m: nn.Module) -> tuple[list[torch.Tensor], list[tuple[int, float]]]:
+        grads = []
+        for _ in range(3):
+            m.zero_grad(set_to_none=True)
+            m(x).square().sum().backward()
+            grads += [p.grad.clone() for p in m.parameters() if p.grad is not None]
+        return grads, [(c.calls, c.scale) for c in m]
+
+    plain = steps(copy.deepcopy(start))
+    assert plain[1] == [(3, 0.125)] * 3
+    blocks = tuple(remat.blocks(start))
+    policy = Plan(strategy="by hand", blocks=blocks, ops=(RecomputeOps(0, ()), Keep(1), Keep(2)))
+    for plan in (remat.full(), remat.segments(2), policy):
+        m = copy.deepcopy(start)
+        remat.apply(m, plan)
+        got = steps(m)
+        assert all(torch.equal(a, b) for a, b in zip(plain[0], got[0])), plan
+        assert got[1] == plain[1], plan
+    # The profile leaves them where they were, too.
+    remat.profile(start, x, lambda y: y.sum(), repeats=1)
+    assert [(c.calls, c.scale) for c in start] == [(0, 1.0)] * 3
+
+
 def test_torch_func_transforms_and_lazy_modules_are_refused_clearly() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)))

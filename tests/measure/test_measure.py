@@ -59,16 +59,19 @@ def test_measure_leaves_model_as_it_was_and_round_trips() -> None:
 
 
 class Drifting(nn.Module):
-    """Its output depends on how often it ran: a recomputation sees different values."""
+    """Its output depends on how often it ran: a recomputation sees different values.
+
+    The count is in a list, which remat does not see (a plain int attribute it sets back for a replay).
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
-        self.runs = 0
+        self.runs = [0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.runs += 1
-        return torch.tanh(self.lin(x) * self.runs)
+        self.runs[0] += 1
+        return torch.tanh(self.lin(x) * self.runs[0])
 
 
 def test_check_gradients_detects_a_recomputation_that_differs() -> None:
@@ -87,11 +90,11 @@ class PerStep(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
-        self.calls = 0
+        self.calls = [0]  # a list: remat does not see it (a plain int it would set back for a replay)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return torch.tanh(self.lin(x) * self.calls)
+        self.calls[0] += 1
+        return torch.tanh(self.lin(x) * self.calls[0])
 
 
 class Reseeding(nn.Module):
@@ -117,7 +120,7 @@ def test_check_gradients_tells_a_model_that_differs_from_itself() -> None:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for b in self.blocks:
-                b.calls = 0
+                b.calls[0] = 0
             return self.blocks(x)
 
     model = Resets()

@@ -55,8 +55,12 @@ each later call snapshots those buffers before it runs; a replay swaps the snaps
 current value back afterwards (also when the replay stops early). So state ends exactly as in the
 plain model and the replay computes with the values the forward saw. This is scoped to the member's
 own modules and to the thread doing the replay: no global hooks. Buffers other than BatchNorm's make
-a member *stateful*: ``apply`` refuses to recompute it unless ``allow_stateful=True`` (the state a
-forward keeps in Python attributes is invisible to remat). A member that edits one of its tensor
+a member *stateful*: ``apply`` refuses to recompute it unless ``allow_stateful=True``. Plain Python
+attributes of its modules (ints, floats, strings, None: a call counter, a step a schedule reads) that
+the learning call changes are recorded per call the same way (``_Role.attrs``): a replay sets their
+values at the call and the current ones back afterwards, so it neither counts again nor computes with
+a later value. Attributes it first changes on a later call, attributes changed by other code between
+the call and the backward, globals and mutable containers are not seen. A member that edits one of its tensor
 arguments in place is refused (its replay would edit it again). On the learning call a refusal puts
 back every buffer, argument and the RNG state first.
 Random draws follow the same scheme. The default generators' states are recorded per call (above):
@@ -174,12 +178,15 @@ class _Role:
     param_slots: tuple[tuple[nn.Module, str], ...] | None = None
     check_params: bool = True
     py_rng: bool = False  # its first call drew from Python's or numpy's global generator
+    # The plain attributes (ints, floats, strings ...) of its modules that its first call changed: a call
+    # counter, a step read by a schedule (NOTE [ State under recomputation ]).
+    attrs: tuple[tuple[nn.Module, str], ...] = ()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         # Learned again after loading.
         state["learned"], state["stateful"], state["norms"], state["generators"] = False, frozenset(), None, ()
-        state["param_slots"], state["py_rng"] = None, False
+        state["param_slots"], state["py_rng"], state["attrs"] = None, False, ()
         return state
 
 
@@ -227,6 +234,47 @@ _PRIMITIVES = (
 
 # Argument slots of a recorded call.
 _LINK, _EXT, _OBJ = 0, 1, 2
+
+
+_MISSING = object()
+
+
+def _attr_values(module: nn.Module, role: _Role) -> tuple[tuple[nn.Module, str, Any], ...]:
+    """The values of ``role.attrs``; on the learning call, of every plain attribute of ``module``'s modules."""
+    if role.learned:
+        return tuple((sub, name, sub.__dict__.get(name, _MISSING)) for sub, name in role.attrs)
+    return tuple(
+        (sub, name, value)
+        for sub in module.modules()
+        for name, value in vars(sub).items()
+        if name != "training" and isinstance(value, _PRIMITIVES)
+    )
+
+
+def _attrs_changed(before: tuple[tuple[nn.Module, str, Any], ...]) -> tuple[tuple[nn.Module, str, Any], ...]:
+    """The entries of ``before`` whose attribute now holds another value (NaN equals NaN)."""
+    out = []
+    for sub, name, value in before:
+        now = sub.__dict__.get(name, _MISSING)
+        if now is not value and not (type(now) is type(value) and (now == value or now != now and value != value)):
+            out.append((sub, name, value))
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def _attrs_as(recorded: tuple[tuple[nn.Module, str, Any], ...]) -> Iterator[None]:
+    """Sets attributes to their recorded values for a replay, and puts the current ones back after."""
+    now = [(sub, name, sub.__dict__.get(name, _MISSING)) for sub, name, _ in recorded]
+    for sub, name, value in recorded:
+        sub.__dict__[name] = value
+    try:
+        yield
+    finally:
+        for sub, name, value in now:
+            if value is _MISSING:
+                sub.__dict__.pop(name, None)
+            else:
+                sub.__dict__[name] = value
 
 
 def _snapshot(obj: Any) -> tuple[dict[str, Any], list[tuple[torch.Tensor, int]]] | None:
@@ -380,6 +428,7 @@ class _Call:
     inner: tuple[tuple[_Span, int], ...]
     flags: tuple[Any, ...] = ()  # backend flags at the call (NOTE [ Backend flags under recomputation ])
     params: tuple[tuple[nn.Module, str, torch.Tensor, int, int], ...] = ()  # (owner, name, tensor, version, address)
+    attrs: tuple[tuple[nn.Module, str, Any], ...] = ()  # (module, name, value before the call) of _Role.attrs
     py_rng: tuple[Any, Any] | None = None  # Python's and numpy's global RNG states, if the call drew from them
 
 
@@ -656,6 +705,7 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             for dev, enabled, dtype in call.autocast:
                 stack.enter_context(torch.autocast(dev, enabled=enabled, dtype=dtype))
             stack.enter_context(_flags_as(call.flags))
+            stack.enter_context(_attrs_as(call.attrs))
             return _invoke(module, role, call.inner, args, kwargs, replay=True)
     finally:
         with torch.no_grad():
@@ -773,6 +823,8 @@ class _StateGuard:
         with torch.no_grad():
             self.before = {n: b.detach().clone() for n, b in keep.items()}
             self.arg_copies = [t.detach().clone() for t in self.args] if not role.learned else []
+        self.attr_before = _attr_values(module, role)
+        self.attrs: tuple[tuple[nn.Module, str, Any], ...] = ()  # set by check()
 
     def check(self, rng: _RngState) -> dict[str, torch.Tensor]:
         """Validate what the call changed; return the pre-call values of the buffers it updates."""
@@ -803,6 +855,8 @@ class _StateGuard:
                     "restored around each recomputation"
                 )
             role.stateful = frozenset(changed)
+            self.attrs = _attrs_changed(self.attr_before)
+            role.attrs = tuple((sub, name) for sub, name, _ in self.attrs)
             role.learned = True
             return {n: self.before[n] for n in changed}
         unexpected = [n for n in changed if n not in role.stateful]
@@ -815,6 +869,7 @@ class _StateGuard:
                 "its recomputation would not be exact; keep it (a plan that does not recompute it) or remat.apply "
                 "again after the change"
             )
+        self.attrs = self.attr_before
         return {n: self.before[n] for n in role.stateful if n in self.before}
 
     def _restore(self, rng: _RngState) -> None:
@@ -823,6 +878,8 @@ class _StateGuard:
                 self.buffers[n].copy_(value)
             for t, value in zip(self.args, self.arg_copies):
                 t.copy_(value)
+        for sub, name, value in _attrs_changed(self.attr_before):
+            sub.__dict__[name] = value
         rng.set()
 
 
@@ -851,13 +908,16 @@ def _run(module: nn.Module, role: _Role | None, args: tuple[Any, ...], kwargs: d
 _SAC_ERRORS = ("backward an extra time", "not found in storage")
 
 
-def _guarded_recompute(module: nn.Module, role: _Role) -> Callable[..., Any]:
+def _guarded_recompute(
+    module: nn.Module, role: _Role, attrs: tuple[tuple[nn.Module, str, Any], ...]
+) -> Callable[..., Any]:
     """The block's forward for :func:`run_selective`: in the recomputation, first checks that no sub-module
     changed train/eval mode and no parameter ``requires_grad`` since the forward (either changes which ops
     run, and torch's cache is read by op order), and turns torch's own selective-checkpoint errors into a
     :class:`RematError` that names the block and the fix."""
     forward = _original(module, role)
     flags = _flags()
+    learning = not role.learned  # ``attrs`` holds every plain attribute: set back those changed since
     modes = [(m, m.training) for m in module.modules()]
     grads = [(p, p.requires_grad) for p in module.parameters()]
     runs = 0
@@ -877,7 +937,7 @@ def _guarded_recompute(module: nn.Module, role: _Role) -> Callable[..., Any]:
                 "recompute it whole"
             )
         try:
-            with _flags_as(flags):
+            with _flags_as(flags), _attrs_as(_attrs_changed(attrs) if learning else attrs):
                 return forward(*args, **kwargs)
         except RuntimeError as e:
             if not any(marker in str(e) for marker in _SAC_ERRORS):
@@ -899,8 +959,11 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
     buffers = [(name, b, b._version) for name, b in module.named_buffers()]
     watch = GeneratorWatch() if not role.learned else contextlib.nullcontext()
     py_before = _py_states() if not role.learned else None
+    attrs = _attr_values(module, role)
     with watch:
-        out = run_selective(_guarded_recompute(module, role), args, kwargs, role.policy)
+        out = run_selective(_guarded_recompute(module, role, attrs), args, kwargs, role.policy)
+    if not role.learned:
+        role.attrs = tuple((sub, name) for sub, name, _ in _attrs_changed(attrs))
     if py_before is not None and _py_drew(py_before):
         raise RematError(
             f"apply: module {role.name!r} draws from Python's random or numpy's global generator, which torch's "
@@ -1000,6 +1063,7 @@ def _invoke(
         frame.calls[index].state = state
         frame.calls[index].params = params
         frame.calls[index].py_rng = py_rng
+        frame.calls[index].attrs = guard.attrs
         frame.record_output(index, out)
         frame.end_rng = end_rng if position + 1 < span.size else None  # the last member: no call follows
     return out

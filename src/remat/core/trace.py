@@ -37,6 +37,7 @@ import contextlib
 import copy
 import enum
 import os
+import random
 import statistics
 import sys
 import time
@@ -118,7 +119,8 @@ def train_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Ten
 @contextlib.contextmanager
 def preserved(model: nn.Module, inputs: Any = None) -> Iterator[None]:
     """Run steps inside, then put the model back exactly: gradients, buffers, RNG state (the default
-    generators, and generators the model's modules hold as attributes), train/eval mode.
+    generators, generators the model's modules hold as attributes, Python's and numpy's global ones),
+    train/eval mode and the plain attributes of its modules (a call counter).
 
     Parameters are not touched by a step (no optimizer runs); input tensors' ``.grad`` are restored too.
     """
@@ -134,6 +136,14 @@ def preserved(model: nn.Module, inputs: Any = None) -> Iterator[None]:
     own = {
         id(g): (g, g.get_state()) for m in model.modules() for g in vars(m).values() if isinstance(g, torch.Generator)
     }
+    plain = [
+        (m, name, value)
+        for m in model.modules()
+        for name, value in vars(m).items()
+        if name != "training" and isinstance(value, (int, float, str, bytes, complex, type(None)))
+    ]
+    np = sys.modules.get("numpy")
+    py_rng = random.getstate(), np.random.get_state() if np is not None else None
     try:
         yield
     finally:
@@ -156,6 +166,11 @@ def preserved(model: nn.Module, inputs: Any = None) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
         for g, state in own.values():
             g.set_state(state)
+        for m, name, value in plain:
+            m.__dict__[name] = value
+        random.setstate(py_rng[0])
+        if np is not None:
+            np.random.set_state(py_rng[1])
 
 
 def held_bytes(model: nn.Module, inputs: Any, optimizer: torch.optim.Optimizer | None = None) -> int:
