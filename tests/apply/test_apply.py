@@ -524,14 +524,18 @@ class _CtxBlock(nn.Module):
 class _EmaBlock(nn.Module):
     """Updates a frozen parameter in place in its forward (a VQ-VAE's EMA codebook)."""
 
-    def __init__(self) -> None:
+    def __init__(self, through_data: bool = False) -> None:
         super().__init__()
         self.fc = nn.Linear(8, 8)
         self.code = nn.Parameter(torch.ones(8), requires_grad=False)
+        self.through_data = through_data
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            self.code.mul_(0.9).add_(0.1 * x.mean(0))
+        if self.through_data:
+            self.code.data.mul_(0.9).add_(0.1 * x.mean(0))
+        else:
+            with torch.no_grad():
+                self.code.mul_(0.9).add_(0.1 * x.mean(0))
         return torch.tanh(self.fc(x) + self.code)
 
 
@@ -573,6 +577,12 @@ def test_parameters_or_arguments_changed_before_the_backward_are_refused() -> No
     with pytest.raises(RematError, match=r"module '0' updates its parameter\(s\) \['code'\] in place in its forward"):
         ema(x)
     remat.remove(ema)
+    # The same through ``p.data`` (no version counter moves): seen on the first call by the values.
+    data = nn.Sequential(_EmaBlock(through_data=True), _EmaBlock(through_data=True))
+    remat.apply(data, remat.full())
+    with pytest.raises(RematError, match=r"module '0' updates its parameter\(s\) \['code'\] in place in its forward"):
+        data(x)
+    remat.remove(data)
 
     @dataclasses.dataclass
     class Ctx:

@@ -723,7 +723,8 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 # since (an optimizer step, a clamp, ``p.data = ...`` before the backward) raises a RematError: the
 # plain model's backward raises torch's "modified by an inplace operation" there. A forward that
 # updates one of its parameters in place (an EMA codebook) would update it again in its replay: it
-# raises on the call. Under FSDP2, which swaps and refills parameters between forward and backward
+# raises on the call (an edit through ``p.data``, which moves no version counter, on the first call
+# after ``apply``, by the parameter's float64 sum). Under FSDP2, which swaps and refills parameters between forward and backward
 # itself, none of this is checked (``_Role.check_params``).
 def _param_refs(module: nn.Module, role: _Role) -> tuple[tuple[nn.Module, str, torch.Tensor, int, int], ...]:
     if not role.check_params:
@@ -747,8 +748,29 @@ def _address(t: torch.Tensor) -> int:
         return 0
 
 
-def _check_params_kept(role: _Role, params: tuple[tuple[nn.Module, str, torch.Tensor, int, int], ...]) -> None:
+def _param_sums(params: tuple[tuple[nn.Module, str, torch.Tensor, int, int], ...]) -> list[torch.Tensor | None]:
+    # The learning call's check for edits through ``p.data``, which bump no version counter: a float64
+    # sum per parameter (no copy of it), compared after the call.
+    out: list[torch.Tensor | None] = []
+    for _, _, t, _, _ in params:
+        try:
+            out.append(t.detach().sum(dtype=torch.float64) if t.is_floating_point() else None)
+        except (RuntimeError, TypeError, NotImplementedError):  # a backend without float64, a subclass
+            out.append(None)
+    return out
+
+
+def _check_params_kept(
+    role: _Role,
+    params: tuple[tuple[nn.Module, str, torch.Tensor, int, int], ...],
+    sums: Sequence[torch.Tensor | None] = (),
+) -> None:
     edited = [name for _, name, t, version, _ in params if t._version != version]
+    for (_, name, t, _, _), before in zip(params, sums):
+        if before is not None and not edited:
+            after = t.detach().sum(dtype=torch.float64)
+            if not (torch.equal(after, before) or bool(after.isnan() and before.isnan())):
+                edited.append(name)
     if edited:
         raise RematError(
             f"apply: module {role.name!r} updates its parameter(s) {edited[:4]} in place in its forward (an EMA "
@@ -1029,6 +1051,7 @@ def _invoke(
     rng = _rng_state(leaves, role.generators)
     guard = _StateGuard(module, role, leaves)
     params = _param_refs(module, role)
+    sums = _param_sums(params) if not role.learned else []
     py_before = _py_states() if not role.learned or role.py_rng else None  # 50 us: learned on the first call
     watch = GeneratorWatch() if not role.learned else None
     with contextlib.ExitStack() as stack:
@@ -1047,7 +1070,7 @@ def _invoke(
         # The learning call: the generators it drew from, at their states before its first draws.
         rng.generators.update(watch.found)
     state = guard.check(rng)
-    _check_params_kept(role, params)
+    _check_params_kept(role, params, sums)
     py_rng = py_before if py_before is not None and _py_drew(py_before) else None
     role.py_rng = role.py_rng or py_rng is not None
     if watch is not None:
