@@ -330,14 +330,17 @@ def profile(
 # NOTE [ What stays alive anyway ]
 # A segment drops what autograd saves inside it, but not what the model or the user holds: hidden
 # states collected in a list, features a hook keeps, a cache. The profile runs one forward (and the
-# loss) with a saved-tensor hook that keeps nothing, under the torch profiler, and reads which
+# loss) with a saved-tensor hook that keeps nothing while a block's member runs and everything the code
+# between members saves (as under a span, NOTE [ Spans ] in ``remat.core.runtime``: a gated MLP's
+# multiply saves ``up``'s output whatever the plan), under the torch profiler, and reads which
 # allocations made inside each block's forward are still alive when the last block's forward ends
 # (so at least through the chain's forward, where the peak of a step usually is): those are
 # held whatever the plan (``pinned_bytes``; ``pinned_out_bytes`` for the block's outputs), so the
 # chain model charges them to segments too (NOTE [ Chain cost model ] in ``remat.plan.chain``).
-# The same run gives ``reused_bytes``: a block's own output still alive when the block after next
-# starts (a later block takes it, or the model's code holds it for a sum after later blocks), which a
-# segment going on past the block holds though it is not the segment's output.
+# The same run gives ``reused_bytes``: a block's own output still alive when the next block ends,
+# other than that block's input (a later block takes it, or the model's code holds it for a sum after
+# later blocks, or while the next block runs on another input), which a segment going on past the block
+# holds though it is not the segment's output.
 
 
 def _pinned(
@@ -354,11 +357,25 @@ def _pinned(
     last_inputs: set[int] = set()  # alive at the end of the last block because it is running on them
     ins: list[set[int]] = [set() for _ in block_list]  # each block's tensor arguments (alive at its call)
 
+    depth = [0]  # member calls running: autograd saves nothing inside them, as under a span
+
     def pre(_m: nn.Module, args: Any, kwargs: dict[str, Any], i: int) -> None:
         ins[i].update(storages((args, kwargs), params))
         if i == len(members) - 1:
             last_inputs.update(storages((args, kwargs), params))
         mark(f"P{i}")
+
+    def enter(*_: Any) -> None:
+        depth[0] += 1
+
+    def leave(*_: Any) -> None:
+        depth[0] -= 1
+
+    def pack(t: torch.Tensor) -> torch.Tensor | None:
+        return None if depth[0] else t
+
+    def unpack(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t
 
     for i, mods in enumerate(members):
         handles.append(mods[0].register_forward_pre_hook(lambda _m, a, k, i=i: pre(_m, a, k, i), with_kwargs=True))
@@ -368,9 +385,14 @@ def _pinned(
             mark(f"p{i}")
 
         handles.append(mods[-1].register_forward_hook(post))
+        for m in mods:
+            handles.append(m.register_forward_pre_hook(enter))
+            handles.append(m.register_forward_hook(leave))
 
     def forward() -> None:
-        with torch.autograd.graph.saved_tensors_hooks(_drop, _drop):
+        # NOTE [ What stays alive anyway ]: what the members save is dropped, what the code between them
+        # saves is kept (a span records only its members' calls).
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = call_model(model, inputs)
             loss = loss_fn(out)
             mark("loss")
@@ -405,16 +427,16 @@ def _pinned(
             # where its peak usually is (a list of hidden states freed when the model returns counts).
             result[owner][1 if ptr in outs[owner] else 0] += size
         elif (
-            owner + 2 < n
+            owner + 1 < n
             and ptr in outs[owner]
             and alive_at(t, t_free, spans[owner][1])
-            and alive_at(t, t_free, spans[owner + 2][0])
+            and alive_at(t, t_free, spans[owner + 1][1])
             and (
                 ptr not in ins[owner + 1]
                 or any(ptr in ins[j] and alive_at(t, t_free, spans[j][0]) for j in range(owner + 2, n))
             )
         ):
-            # The block's own output, still alive when the block after next starts (BlockProfile.reused_bytes):
+            # The block's own output, still alive when the next block ends (BlockProfile.reused_bytes):
             # a later block takes it (a U-Net's skip), or the model's code holds it and frees it later
             # (GPT-NeoX's attn_output, the attention dropout's output summed into the residual after the
             # MLP). A segment that goes on past the block holds it too, though it is not its output. Not
@@ -650,6 +672,13 @@ def _assemble(
         )
         for i in range(n)
     ]
+    bwd_end = [
+        mt(Event.BACKWARD_END, i, bwd_start[i] if f"{Event.BACKWARD}{i}" not in marks else end) for i in range(n)
+    ]
+    # Where the backward of the code after each block starts: the next block's backward has ended (the
+    # last block's: its own backward start, after the head's, which head_peak_bytes covers).
+    bwd_after = [bwd_end[i + 1] if i + 1 < n else bwd_start[i] for i in range(n)]
+    gap_after = _gaps(trace, n)
     tail_start = mt(Event.BACKWARD_END, 0, end)
     grads, head_grads, tail_grads = _grad_owners(grad_events, bwd_start, tail_start)
     sub_index = 0
@@ -657,7 +686,7 @@ def _assemble(
     for i, b in enumerate(block_list):
         f0, f1 = mt(Event.FORWARD, i), mt(Event.FORWARD_END, i)
         b0 = bwd_start[i]
-        b1 = mt(Event.BACKWARD_END, i, b0 if f"{Event.BACKWARD}{i}" not in marks else end)
+        b1 = bwd_end[i]
         # NOTE [ Gradients in the backward ]: the gradients allocated before this backward started.
         grads_before = sum(size for t, size in grad_events if t < b0)
         l_f0 = trace.level_at(f0)
@@ -697,7 +726,15 @@ def _assemble(
                 # its backward: what NOTE [ Chain cost model ] assumes at the start of its backward; the
                 # rest of the difference (the gradient of its output) is then charged to every block's
                 # backward, where it is really held.
-                bwd_peak_bytes=trace.peak_between(b0, b1) - trace.level_at(f1) - grads_before,
+                # And from the end of the next block's backward: the backward of the code between the two (a
+                # gated MLP's multiply) runs there, above the level the chain model tracks, which holds what
+                # that code left (gap_bytes, when it rose; NOTE [ Chain cost model ]).
+                bwd_peak_bytes=max(
+                    trace.peak_between(b0, b1),
+                    trace.peak_between(min(b0, bwd_after[i]), b0) - max(0, gap_after[i]),
+                )
+                - trace.level_at(f1)
+                - grads_before,
                 # The same reference at the start of its backward: the activation gradients pending then.
                 pending_grad_bytes=max(0, trace.level_at(b0) - trace.level_at(f1) - grads_before),
                 fwd_ms=ms((Event.FORWARD, i), (Event.FORWARD_END, i)),

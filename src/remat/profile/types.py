@@ -68,7 +68,8 @@ class BlockProfile:
             parameters excluded (through saved-tensor hooks).
         keep_bytes: How much memory the forward leaves allocated when the block is kept, bytes.
         fwd_peak_bytes: Peak rise during its forward above the level at its start, bytes.
-        bwd_peak_bytes: Peak rise during its backward above the level at its start, bytes.
+        bwd_peak_bytes: Peak rise during its backward, and the backward of the code after it (which runs
+            just before), above the level at its start, bytes.
         fwd_ms: Median forward time, milliseconds.
         bwd_ms: Median backward time, milliseconds.
         pending_grad_bytes: How far the level is above the level after its forward (and the parameter
@@ -93,12 +94,14 @@ class BlockProfile:
             blocks), bytes; 0 for the last block.
         pinned_bytes: Bytes allocated in its forward, its outputs excluded, that stay alive when
             autograd saves nothing (held by the model or a hook), bytes.
-        pinned_out_bytes: Bytes of its outputs that stay alive when autograd saves nothing (hidden
-            states the model collects), bytes.
-        reused_bytes: Bytes of its own output still alive when the block after next starts, in a run
-            that saves nothing: a later block takes it (a U-Net's skip) or the model's code holds it
-            (GPT-NeoX's attention output, summed after the MLP); a segment going on past this block
-            holds it too, though it is not the segment's output.
+        pinned_out_bytes: Bytes of its outputs that stay alive when autograd saves nothing inside blocks
+            (hidden states the model collects; an output the code between blocks saves, as a gated MLP's
+            multiply), bytes.
+        reused_bytes: Bytes of its own output, other than the next block's input, still alive when the
+            next block ends, in a run where blocks save nothing: a later block takes it (a U-Net's skip)
+            or the model's code holds it (GPT-NeoX's attention output, summed after the MLP; a layer's
+            first child's output while the next child runs on another input); a segment going on past
+            this block holds it too, though it is not the segment's output.
         unlinked_bytes: Bytes of its inputs that are neither the previous block's outputs nor older
             tensors (``x + stage(x)`` made between blocks): a segment going on through it holds them.
         unsaved_input_bytes: The part of ``unlinked_bytes`` that its own forward does not save: the
