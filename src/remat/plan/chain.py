@@ -33,9 +33,10 @@ A plan is a sequence of operations over blocks ``0..n-1`` (the head is implicit 
 Two more measured terms make any calling pattern fit this model (NOTE [ Spans ] in
 ``remat.core.runtime``): ``g[k]`` (``gap_bytes``), the level change from the end of block k's forward
 to the start of block k+1 (code between blocks), and what stays alive inside a block when autograd
-saves nothing, ``pin[k]`` (``pinned_bytes``) and, for its output, ``pout[k]`` (``pinned_out_bytes``;
-hidden states a model collects), and ``re[k]`` (``reused_bytes``), the part of block k's output that
-a later block other than k+1 takes (a U-Net's skip), held even when k is inside a segment, and
+saves nothing inside the blocks, ``pin[k]`` (``pinned_bytes``) and, for its output, ``pout[k]``
+(``pinned_out_bytes``; hidden states a model collects, what the code between blocks saves of it), and
+``re[k]`` (``reused_bytes``), the part of block k's output that a later block other than k+1 takes
+(a U-Net's skip), held even when k is inside a segment, and
 ``un[k]`` (``unlinked_bytes``), inputs of block k made between blocks (``x + stage(x)``), which a segment
 going on through k holds as they are, and ``us[k]`` (``unsaved_input_bytes``), the part of them block k
 does not save itself: the plain step may free it in the gap after k (``x = 2 * y`` rebinding ``x``, so
@@ -143,8 +144,9 @@ class Chain:
         pinned_bytes: Bytes allocated inside each block's forward, other than its output, that stay
             alive when autograd saves nothing (held by the model or the user: features a hook keeps),
             so recomputing the block does not free them (default 0).
-        pinned_out_bytes: Bytes of each block's output that stay alive when autograd saves nothing
-            (hidden states the model collects), held even when the block is inside a segment (default 0).
+        pinned_out_bytes: Bytes of each block's output that stay alive when autograd saves nothing inside
+            the blocks (hidden states the model collects, what the model's code between blocks saves for the
+            backward: an MoE router's index), held even when the block is inside a segment (default 0).
         reused_bytes: Bytes of each block's own output that a block other than the next one takes (a
             U-Net's skip), held even when the block is inside a segment (default 0).
         unlinked_bytes: Bytes of each block's inputs that are neither the previous block's outputs nor
@@ -404,7 +406,10 @@ def _freed_inputs(profile: Profile) -> tuple[int, ...]:
         # less the late inputs the head frees (Chain.late_held_bytes holds them through the replay too).
         last = len(bps) - 1
         late = sum(li.nbytes for li in profile.late_inputs if li.producer < last < li.freed_after and last in li.users)
-        out[-1] = max(out[-1], bps[-2].own_output_bytes - profile.block_ops[-1].input_saved_bytes - late)
+        # Its input: the previous block's own outputs that it takes (not an index returned beside the
+        # hidden state, which the model's code holds or frees on its own).
+        taken = min(bps[-2].own_output_bytes, bps[-1].input_bytes)
+        out[-1] = max(out[-1], taken - profile.block_ops[-1].input_saved_bytes - late)
     return tuple(out)
 
 

@@ -329,14 +329,19 @@ def profile(
 
 # NOTE [ What stays alive anyway ]
 # A segment drops what autograd saves inside it, but not what the model or the user holds: hidden
-# states collected in a list, features a hook keeps, a cache. The profile runs one forward (and the
-# loss) with a saved-tensor hook that keeps nothing while a block's member runs and everything the code
-# between members saves (as under a span, NOTE [ Spans ] in ``remat.core.runtime``: a gated MLP's
-# multiply saves ``up``'s output whatever the plan), under the torch profiler, and reads which
-# allocations made inside each block's forward are still alive when the last block's forward ends
-# (so at least through the chain's forward, where the peak of a step usually is): those are
-# held whatever the plan (``pinned_bytes``; ``pinned_out_bytes`` for the block's outputs), so the
-# chain model charges them to segments too (NOTE [ Chain cost model ] in ``remat.plan.chain``).
+# states collected in a list, features a hook keeps, a cache, and what the model's code between blocks
+# saves for the backward, which runs outside the checkpoint (NOTE [ Spans ] in ``remat.core.runtime``):
+# an MoE router's ``x.gather(1, idx)`` saves the block's hidden state and its int64 index (without
+# them, plans over such blocks measured 1.18-1.41x their prediction), a split gated MLP's multiply
+# saves ``up``'s output whatever the plan. The profile runs one forward (and the loss) with a
+# saved-tensor hook that keeps nothing while a block's member runs and everything the code between
+# members saves, under the torch profiler, and reads which allocations made inside each block's
+# forward are still alive when the last block's forward ends (so at least through the chain's forward,
+# where the peak of a step usually is; the last block's input is alive then anyway, as the model's code
+# still refers to it, so it counts when it is still alive at the loss): those are held whatever the
+# plan (``pinned_bytes``; ``pinned_out_bytes`` for the block's outputs), so the chain model charges
+# them to segments too (NOTE [ Chain cost model ] in ``remat.plan.chain``), and the solvers do not
+# join blocks across them (``BlockProfile.chainable``).
 # The same run gives ``reused_bytes``: a block's own output still alive when the next block ends,
 # other than that block's input (a later block takes it, or the model's code holds it for a sum after
 # later blocks, or while the next block runs on another input), which a segment going on past the block
@@ -374,7 +379,7 @@ def _pinned(
     def pack(t: torch.Tensor) -> torch.Tensor | None:
         return None if depth[0] else t
 
-    def unpack(t: torch.Tensor | None) -> torch.Tensor | None:
+    def unpack(t: Any) -> Any:
         return t
 
     for i, mods in enumerate(members):
@@ -412,6 +417,7 @@ def _pinned(
             "active (run with none)"
         )
     t_end = times[end_key]
+    t_loss = times.get("loss", t_end)
 
     def alive_at(t_alloc: int, t_free: int | None, t: int) -> bool:
         return t_alloc <= t and (t_free is None or t_free > t)
@@ -422,9 +428,11 @@ def _pinned(
         owner = next((i for i, (a, b) in enumerate(spans) if a <= t <= b), None)
         if owner is None:
             continue
-        if alive_at(t, t_free, t_end) and ptr not in last_inputs:
+        if alive_at(t, t_free, t_end) and (ptr not in last_inputs or alive_at(t, t_free, t_loss)):
             # Alive at the end of the last block's forward: held at least through the chain's forward,
             # where its peak usually is (a list of hidden states freed when the model returns counts).
+            # The last block's input is alive then anyway (the model's code still refers to it): it
+            # counts when it is alive at the loss too (the model's code between blocks saved it).
             result[owner][1 if ptr in outs[owner] else 0] += size
         elif (
             owner + 1 < n

@@ -93,10 +93,10 @@ class BlockProfile:
         gap_bytes: Level change after its forward and before the next block starts (code between
             blocks), bytes; 0 for the last block.
         pinned_bytes: Bytes allocated in its forward, its outputs excluded, that stay alive when
-            autograd saves nothing (held by the model or a hook), bytes.
+            autograd saves nothing inside the blocks (held by the model or a hook), bytes.
         pinned_out_bytes: Bytes of its outputs that stay alive when autograd saves nothing inside blocks
-            (hidden states the model collects; an output the code between blocks saves, as a gated MLP's
-            multiply), bytes.
+            (hidden states the model collects; an output the code between blocks saves: a gated MLP's
+            multiply, ``x.gather(1, idx)`` on an MoE router's hidden state and index), bytes.
         reused_bytes: Bytes of its own output, other than the next block's input, still alive when the
             next block ends, in a run where blocks save nothing: a later block takes it (a U-Net's skip)
             or the model's code holds it (GPT-NeoX's attention output, summed after the MLP; a layer's
