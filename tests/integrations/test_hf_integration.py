@@ -125,6 +125,13 @@ def test_hf_checkpointing_on_is_refused() -> None:
     with pytest.raises(RematError, match=r"hf.enable: HF's own checkpointing is on .*gradient_checkpointing_disable"):
         hf.enable(model, _batch())
     assert remat.applied(model) is None
+    # remat.apply too, for a plan that recomputes anything (a plan that keeps everything changes nothing).
+    with pytest.raises(RematError, match=r"apply: HF's own checkpointing is on \(modules \['transformer'"):
+        remat.apply(model, remat.full())
+    assert remat.applied(model) is None
+    remat.apply(model, remat.none())
+    model.gradient_checkpointing_disable()  # type: ignore[operator]
+    remat.apply(model, remat.full())
 
 
 def test_a_batch_without_labels_asks_for_them() -> None:

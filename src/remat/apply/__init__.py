@@ -58,6 +58,7 @@ def apply(model: nn.Module, plan: Plan, *, allow_stateful: bool = False) -> Plan
     validate_ops(
         plan.ops, len(plan.blocks), block_fqns=[b.fqns for b in plan.blocks], source=f"apply ({plan.strategy})"
     )
+    _refuse_hf_checkpointing(model, plan)
     try:
         members = resolve(model, plan.blocks)
     except BlockSelectionError as e:
@@ -88,6 +89,22 @@ def apply(model: nn.Module, plan: Plan, *, allow_stateful: bool = False) -> Plan
             )
     attach(model, plan, plan.ops, members, [b.fqns for b in plan.blocks], allow_stateful=allow_stateful)
     return plan
+
+
+def _refuse_hf_checkpointing(model: nn.Module, plan: Plan) -> None:
+    """A RematError if HF's own checkpointing is on and the plan recomputes anything: each layer would
+    be recomputed by HF inside remat's replays too (three forwards, for memory HF's alone gives)."""
+    if all(isinstance(op, Keep) for op in plan.ops):
+        return
+    inner = unwrap(model)
+    on = [name for name, m in inner.named_modules() if getattr(m, "gradient_checkpointing", None) is True]
+    if on or getattr(inner, "is_activation_checkpointing", None) is True:
+        where = f" (modules {on[:3]})" if on else ""
+        raise RematError(
+            f"apply: HF's own checkpointing is on{where} (gradient_checkpointing_enable() or TrainingArguments("
+            "gradient_checkpointing=True)), so the layers would be recomputed by HF inside remat's recomputation "
+            "too; call model.gradient_checkpointing_disable() before remat.apply (remat.hf.enable plans instead of it)"
+        )
 
 
 def remove(model: nn.Module) -> Plan | None:
