@@ -635,6 +635,24 @@ def test_blocks_drawing_from_python_and_numpy_generators_replay_exactly() -> Non
         assert got[1:] == plain[1:]  # the generators end where the plain step leaves them
 
 
+def test_blocks_drawing_from_python_generators_get_no_policy_and_plan_exactly() -> None:
+    # The profile timed such a block under torch's selective checkpoint, which refused it: the whole
+    # profile failed with an "op-level policy" RematError.
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_PyRandomBlock() for _ in range(4)))
+    x = torch.randn(64, 8)
+    random.seed(3)
+    np.random.seed(3)
+    prof = remat.profile(model, x, lambda y: y.square().sum(), repeats=1)
+    assert all(ops.py_rng for ops in prof.block_ops)
+    assert all(b.selective_ms is None for b in prof.block_profiles)
+    assert (random.random(), float(np.random.rand())) == (random.Random(3).random(), np.random.RandomState(3).rand())
+    plan = remat.plan(prof, budget="100%")
+    assert not any(type(op).__name__ == "RecomputeOps" for op in plan.ops)
+
+
 class _Attention(nn.Module):
     def __init__(self) -> None:
         super().__init__()

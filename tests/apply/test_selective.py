@@ -292,6 +292,72 @@ def test_a_mode_changed_between_forward_and_backward_of_a_policy_block_is_a_rema
         loss.backward()
 
 
+class _StateInDict(nn.Module):
+    """Reads its state from a dict argument and writes its new state back into it (an RNN context)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self.fc, self.key = nn.Linear(16, 16), key
+
+    def forward(self, x: torch.Tensor, ctx: dict[str, torch.Tensor]) -> torch.Tensor:
+        y = x + torch.tanh(self.fc(x)) * torch.sigmoid(ctx[self.key])
+        ctx[self.key] = y
+        return y
+
+
+class _DictNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_StateInDict(f"k{i}") for i in range(2))
+
+    def forward(self, x: torch.Tensor, s0: torch.Tensor) -> torch.Tensor:
+        ctx = {f"k{i}": s0 for i in range(2)}
+        for b in self.blocks:
+            x = b(x, ctx=ctx)
+        return x
+
+
+def test_a_policy_recomputes_with_the_arguments_of_the_call_not_the_containers_changed_since() -> None:
+    # torch's selective checkpoint calls the forward again on the dict it was given, which the block
+    # had updated: sigmoid recomputed from the new state, gradients off by up to 128, silently.
+    from remat.core.ops import Keep, RecomputeOps
+    from remat.plan.types import Plan
+
+    torch.manual_seed(0)
+    model = _DictNet()
+    x, s0 = torch.randn(8, 16), torch.randn(8, 16, requires_grad=True)
+
+    def grads() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        s0.grad = None
+        model(x, s0).square().sum().backward()
+        return [p.grad.clone() for p in model.parameters()] + [s0.grad.clone()]
+
+    plain = grads()
+    ops = (Keep(0), RecomputeOps(1, save=("addmm#0",), recompute=("sigmoid#0", "tanh#0")))
+    remat.apply(model, Plan(strategy="by hand", blocks=tuple(remat.blocks(model)), ops=ops))
+    got = grads()
+    assert all(torch.equal(a, b) for a, b in zip(plain, got))
+
+    # An object argument changed between the call and the backward: refused.
+    class Ctx:
+        def __init__(self, state: torch.Tensor) -> None:
+            self.state = state
+
+        def __getitem__(self, key: str) -> torch.Tensor:
+            return self.state
+
+        def __setitem__(self, key: str, value: torch.Tensor) -> None:
+            pass
+
+    ctx = Ctx(torch.randn(8, 16, requires_grad=True))
+    loss = model.blocks[1](x, ctx=ctx).square().sum()
+    ctx.state = torch.zeros(8, 16)
+    with pytest.raises(RematError, match=r"argument of module 'blocks.1' \(Ctx\), which runs under an op-level"):
+        loss.backward()
+    remat.remove(model)
+
+
 class _TanhFirst(nn.Module):
     """``x + fc2(gelu(fc1(tanh(x))))``: tanh saves its output, the add nothing, so ``x`` is not saved."""
 

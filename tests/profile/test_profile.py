@@ -286,3 +286,18 @@ def test_draws_between_blocks_are_seen_and_not_joined_across() -> None:
         assert chain.rng_copy_bytes[1:-1] == (prof.ckpt_state_bytes if between else 0,) * (len(fresh) - 1)
         if between:
             assert not any(chain.joinable[:-2])
+
+
+def test_a_loss_that_differentiates_through_the_blocks_is_refused_clearly() -> None:
+    # A WGAN-GP gradient penalty: torch.autograd.grad(create_graph=True) inside the loss. The profile's
+    # no-save run gave torch's "unpack_hook expected to be a Tensor" TypeError.
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)))
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return out.mean() + (g.norm(dim=1) - 1).square().mean()
+
+    with pytest.raises(RematError, match=r"profile: loss_fn differentiates through the model's blocks"):
+        remat.profile(model, x, loss_fn, repeats=1)

@@ -944,11 +944,27 @@ def _guarded_recompute(
     grads = [(p, p.requires_grad) for p in module.parameters()]
     runs = 0
 
+    seen: list[tuple[Any, Any]] = []  # (object, snapshot) per non-tensor argument leaf
+
     def call(*args: Any, **kwargs: Any) -> Any:
         nonlocal runs
         runs += 1
         if runs == 1:
+            # run_selective rebuilds the containers from the leaves, and torch's checkpoint checks the
+            # tensors' versions; an attribute set on an object argument since the call is checked here.
+            for leaf in tree_leaves((args, kwargs)):
+                snap = None if isinstance(leaf, torch.Tensor) else _snapshot(leaf)
+                if snap is not None:
+                    seen.append((leaf, snap))
             return forward(*args, **kwargs)
+        for leaf, then in seen:
+            if not _same_snapshot(then, leaf):
+                raise RematError(
+                    f"apply: an argument of module {role.name!r} ({type(leaf).__name__}), which runs under an op-level "
+                    "policy (RecomputeOps), was changed after the call and before the backward (an attribute set, or "
+                    "a tensor in it edited in place), so its recomputation would differ; pass a fresh object per "
+                    "call, or keep this block or recompute it whole"
+                )
         flipped = [type(m).__name__ for m, training in modes if m.training != training]
         flipped += [f"a parameter's requires_grad ({tuple(p.shape)})" for p, rg in grads if p.requires_grad != rg]
         if flipped:

@@ -50,6 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 __all__ = ["IGNORED_OPS", "OpKeys", "op_name", "ops_in_words", "run_selective"]
@@ -132,9 +133,17 @@ def run_selective(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[s
     Returns:
         What ``fn`` returns.
     """
-    # The keyword arguments go in through a partial: checkpoint() has keywords of its own
-    # (``context_fn``, ``debug`` ...) that a block's keyword might shadow.
-    call = functools.partial(fn, **kwargs) if kwargs else fn
+    # The arguments go in flattened (torch.utils._pytree, as remat's own recording does): torch's
+    # recomputation calls ``fn`` again on what it was given, and a container the block or the model
+    # changed since (a state dict the block writes its new state into) would give it other inputs;
+    # rebuilt from the leaves, it sees the forward's. Keywords never reach checkpoint(), whose own
+    # (``context_fn``, ``debug`` ...) a block's keyword might shadow.
+    leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
+
+    def call(*flat: Any) -> Any:
+        a, k = tree_unflatten(list(flat), spec)
+        return fn(*a, **k)
+
     # Fresh counters per call. torch 2.13 asks the policy in the forward only (the recompute reads its
     # cache by index); older versions asked again in the recompute, with ``ctx.is_recompute`` set,
     # which then counts on its own from zero.
@@ -142,7 +151,7 @@ def run_selective(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[s
     save = frozenset(save)
     out = checkpoint(
         call,
-        *args,
+        *leaves,
         use_reentrant=False,
         preserve_rng_state=True,
         context_fn=functools.partial(_contexts, save, keys),

@@ -34,7 +34,9 @@ profiles with its own dispatch mode, on the real batch, with the same op keys th
 from __future__ import annotations
 
 import logging
+import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -134,6 +136,8 @@ class BlockOps:
         fresh_rng: Whether the model's code drew random numbers from the default generator between the
             previous block's end and this block's start (a dropout between blocks): a segment's recording
             keeps another copy of the RNG state for this block's call.
+        py_rng: Whether its forward drew from Python's ``random`` or numpy's global generator, which
+            torch's selective checkpoint does not restore (no op-level policy for it).
     """
 
     block: int
@@ -145,6 +149,7 @@ class BlockOps:
     outputs: tuple[int, ...] = ()
     generator_state_bytes: int = 0
     fresh_rng: bool = False
+    py_rng: bool = False
     _index: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -176,6 +181,7 @@ class BlockOps:
             "outputs": list(self.outputs),
             "generator_state_bytes": self.generator_state_bytes,
             "fresh_rng": self.fresh_rng,
+            "py_rng": self.py_rng,
         }
 
     @classmethod
@@ -247,6 +253,8 @@ class _Run:
         self.outputs: list[int] = []
         self.generators: dict[int, int] = {}  # its own generators drawn from: id -> bytes of the state
         self.fresh_rng = False  # the model's code drew random numbers since the previous block ended
+        self.py_states: Any = None  # Python's and numpy's global RNG states at its start
+        self.py_rng = False  # its forward drew from them
 
     def owner_of(self, ptr: int) -> int:
         return self.owner.get(ptr, EXTERNAL)
@@ -341,12 +349,14 @@ class _Recorder(TorchDispatchMode):
             self.current = self.runs[i] = _Run(inputs)
             self.current_index = i
             self.current.fresh_rng = self.drew_outside
+            self.current.py_states = _py_states()
         self.drew_outside = False
 
     def end(self, i: int, out: Any) -> None:
         run = self.current
         if run is None or self.current_index != i:
             return
+        run.py_rng = _py_states() != run.py_states
         for t in _tensors(out):
             st = _storage(t)
             owner = run.owner.get(st[0], EXTERNAL) if st is not None else EXTERNAL
@@ -379,6 +389,15 @@ class _Recorder(TorchDispatchMode):
         ns = time.perf_counter_ns() - t0
         run.record(func, key, args, kwargs, out, ns)
         return out
+
+
+def _py_states() -> tuple[Any, ...]:
+    """Python's and (if imported) numpy's global RNG states, comparable with ``==``."""
+    np = sys.modules.get("numpy")
+    if np is None:
+        return (random.getstate(),)
+    _, keys, pos, *_ = np.random.get_state()
+    return random.getstate(), keys.tobytes(), pos
 
 
 def _one_forward(
@@ -465,6 +484,7 @@ def _block_ops(block: Block, runs: list[_Run]) -> BlockOps:
         outputs=tuple(sorted(first.outputs)),
         generator_state_bytes=sum(first.generators.values()),
         fresh_rng=first.fresh_rng,
+        py_rng=any(run.py_rng for run in runs),
     )
 
 

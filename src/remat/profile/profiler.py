@@ -108,7 +108,7 @@ def _stop_share(block_ops: Sequence[BlockOps], n: int) -> list[float]:
 def _selective_ok(b: Block, stateful: tuple[str, ...], block_ops: BlockOps) -> bool:
     """Whether block ``b`` may run under an op-level policy (NOTE [ Op-level policy costs ])."""
     writes_outside = any(w == EXTERNAL for op in block_ops.ops for w in op.writes)
-    return len(b.fqns) == 1 and not stateful and not writes_outside
+    return len(b.fqns) == 1 and not stateful and not writes_outside and not block_ops.py_rng
 
 
 def _timing_configs(
@@ -380,6 +380,13 @@ def _pinned(
         return None if depth[0] else t
 
     def unpack(t: Any) -> Any:
+        if t is None:  # the loss differentiates through the blocks itself
+            raise RematError(
+                "profile: loss_fn differentiates through the model's blocks (torch.autograd.grad inside it: a "
+                "gradient penalty, a double backward), which remat's profile cannot measure; profile with the loss "
+                "without that term and plan with room for it, or apply a strategy without a profile "
+                "(remat.apply(model, remat.every_nth(2)); its gradients stay exact)"
+            )
         return t
 
     for i, mods in enumerate(members):
