@@ -128,6 +128,32 @@ def test_a_plan_predicted_above_its_budget_is_never_returned(monkeypatch: pytest
         remat.plan(prof, plan.predicted_peak_bytes - 1, solver="broken")
 
 
+def test_tables_above_the_lowest_plans_prediction_do_not_make_a_budget_infeasible(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The DP tables never go below the simulation but may go above it (a late input held across
+    # segments: a ResNet with a frozen, eval-mode prefix had its floor put 13% above its lowest plan's
+    # prediction, and budgets between were called infeasible). Here a solver whose tables are 40 bytes
+    # pessimistic: the lowest-peak plan's prediction decides.
+    class Pessimistic(Solver):
+        def solve(self, profile, chain, headroom, *, slots=None):  # type: ignore[no-untyped-def]
+            return super().solve(profile, chain, headroom - 40, slots=slots)
+
+        def min_peak(self, profile, chain):  # type: ignore[no-untyped-def]
+            return super().min_peak(profile, chain) + 40
+
+    prof = fake_profile([5, 50, 20, 80, 40, 10], [1.0, 2.0, 1.0, 2.0, 3.0, 1.0])
+    monkeypatch.setitem(planner.SOLVERS, "pessimistic", Pessimistic("pessimistic", nests=True, sub_variants=False))
+    with pytest.raises(BudgetInfeasibleError) as exact:
+        remat.plan(prof, 120, solver="optimal")
+    lowest = exact.value.min_peak_bytes
+    got = remat.plan(prof, lowest, solver="pessimistic")
+    assert got.predicted_peak_bytes == lowest
+    with pytest.raises(BudgetInfeasibleError) as info:
+        remat.plan(prof, lowest - 1, solver="pessimistic")
+    assert info.value.min_peak_bytes == lowest
+
+
 def test_a_solver_a_few_bytes_off_is_solved_again_below_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     # A solver whose tables are a few bytes optimistic: plan() solves again for a budget lowered by the
     # simulated excess, so the plan is the one the exact solver picks, not the slow lowest-peak plan.

@@ -338,6 +338,15 @@ def _plan_here(profile: Profile, budget: int | str | Budget | None, *, solver: s
     elif fixed <= budget_bytes and headroom >= 0:
         ops = chosen.solve(profile, chain, headroom)
     smallest = chosen.min_peak(profile, chain)
+    if ops is None and smallest > budget_bytes:
+        # The tables are never below the simulation, but may be above it (a late input held across
+        # segments, NOTE [ Rotor dynamic program ]): the lowest-peak plan's own prediction decides.
+        lowest = plan_from_ops(profile, chosen.min_peak_plan(profile, chain), chosen.name, budget_bytes)
+        if lowest.predicted_peak_bytes is not None and lowest.predicted_peak_bytes < smallest:
+            smallest = lowest.predicted_peak_bytes
+            if smallest <= budget_bytes:
+                ops = lowest.ops
+                log.info("plan: the %s solver's tables are above its lowest-peak plan's prediction", chosen.name)
     if ops is None and smallest <= budget_bytes:
         # Memory is discretised on the safe side (NOTE [ Rotor dynamic program ]), so a budget within
         # a few units of the smallest peak can be missed: solve finer, else take the lowest-peak plan.
