@@ -84,3 +84,10 @@ def test_python_api_float_budget_suggests_the_percent_string() -> None:
     # remat.plan reads its budget through parse_budget before it looks at the profile.
     with pytest.raises(RematError, match=r"^budget: 0\.4 is a float, read as 0 bytes; did you mean '40%'\?"):
         remat.plan(cast(Profile, object()), 0.4)  # type: ignore[arg-type]
+
+
+def test_unit_errors_list_the_canonical_units_only() -> None:
+    with pytest.raises(RematError, match=r"optional unit \(KiB, MiB, GiB, KB, MB, GB\), e.g. '1.5GiB'") as e:
+        parse_bytes("12 parsecs")
+    assert " gi," not in str(e.value) and "ki" not in str(e.value)
+    assert parse_bytes("1gi") == parse_bytes("1GiB")  # the short spellings are still read

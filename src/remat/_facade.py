@@ -19,9 +19,10 @@ from remat.errors import RematError
 from remat.measure import GradientCheck
 from remat.measure import check_gradients as check_plan
 from remat.plan.planner import to_plan
-from remat.plan.strategies import Strategy
+from remat.plan.strategies import STRATEGIES, Strategy
 from remat.plan.types import Plan
 from remat.profile.types import Profile
+from remat.units import parse_budget
 
 __all__ = ["apply", "check_gradients"]
 
@@ -34,12 +35,23 @@ def _as_plan(
         return plan
     if isinstance(plan, Strategy):
         return to_plan(plan, model, blocks=blocks, profile=profile)
-    hint = (
-        f"plan it first: remat.plan(model, strategy={plan!r})"
-        if isinstance(plan, str)
-        else "see remat.plan or remat.full()"
+    raise RematError(f"{where}: expected a Plan or a strategy, got {type(plan).__name__} {plan!r}; {_hint(plan)}")
+
+
+def _hint(plan: object) -> str:
+    """How to turn ``plan`` (neither a Plan nor a strategy) into a plan: a budget is solved on a profile."""
+    if not isinstance(plan, str):
+        return "give remat.plan(...)'s result or a strategy such as remat.full()"
+    if plan.strip().partition("(")[0].strip() in STRATEGIES:
+        return f"plan the strategy first: remat.plan(model, strategy={plan!r}), or pass the strategy object (remat.full() ...)"
+    try:
+        parse_budget(plan)
+    except RematError:
+        return f"give remat.plan(...)'s result or a strategy (one of {', '.join(STRATEGIES)})"
+    return (
+        f"{plan!r} is a memory budget, which needs measured sizes: profile, then plan for it: "
+        f"remat.plan(remat.profile(model, inputs, loss_fn), budget={plan!r})"
     )
-    raise RematError(f"{where}: expected a Plan or a strategy, got {type(plan).__name__}; {hint}")
 
 
 def apply(
@@ -56,7 +68,7 @@ def apply(
     the calls the model made to them (NOTE [ Spans ] in ``remat.core.runtime``). Parameters, their
     identity and ``state_dict`` keys are unchanged. Applying again replaces the previous plan;
     ``remat.remove`` restores the model exactly. A strategy is planned first, on ``blocks`` (default
-    ``remat.blocks(model)``), then applied as a plan (``remat.apply.apply``).
+    ``remat.blocks(model)``), then applied as a plan (``apply`` of the ``remat.apply`` module).
 
     Args:
         model: The model to change in place.
@@ -109,7 +121,7 @@ def check_gradients(
         allow_stateful: Passed to :func:`apply`: recompute blocks that update buffers, restoring them.
 
     Returns:
-        The :class:`~remat.measure.GradientCheck`.
+        The :class:`remat.GradientCheck`.
     """
     return check_plan(
         model,

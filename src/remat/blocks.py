@@ -927,7 +927,7 @@ def fingerprint(model: nn.Module, block_list: Sequence[Block]) -> str:
     ``<blocks>`` hashes the blocks' names, classes and parameter shapes; ``<run>`` hashes, in each
     module that holds a block, the names of its children of the blocks' classes, so a plan for the
     4 layers of a model does not silently cover only part of a 6-layer one (plans written before
-    ``<run>`` existed have only ``<blocks>``; see :func:`remat.apply.apply`). Classes are those before
+    ``<run>`` existed have only ``<blocks>``; see ``apply`` in the ``remat.apply`` module). Classes are those before
     FSDP2's ``fully_shard``, and parameter shapes a DTensor's global ones, so a model hashes the same
     sharded or not.
     """

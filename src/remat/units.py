@@ -29,6 +29,8 @@ _UNITS = {
     "ti": 1024**4,
     "tib": 1024**4,
 }
+# The spellings messages offer (the others in _UNITS are accepted, not advertised).
+_SHOWN_UNITS = ("KiB", "MiB", "GiB", "KB", "MB", "GB")
 _SIZE_RE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -53,7 +55,7 @@ def parse_bytes(value: int | float | str) -> int:
         match = _SIZE_RE.match(str(value))
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
-            valid = ", ".join(sorted({u for u in _UNITS if u}, key=lambda u: (len(u), u)))
+            valid = ", ".join(u for u in _SHOWN_UNITS if u.lower() in _UNITS)
             raise RematError(
                 f"size: cannot read {value!r}; write a number with an optional unit ({valid}), e.g. '1.5GiB'"
             )

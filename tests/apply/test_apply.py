@@ -270,8 +270,26 @@ def test_the_apply_stage_takes_a_plan_and_the_facade_plans_a_strategy_first(tiny
     assert apply_stage(tiny.model, remat.plan(tiny.model, strategy="full")) == applied
     remat.remove(tiny.model)
     assert remat.check_gradients(tiny.model, remat.every_nth(2), tiny.inputs, tiny.loss_fn).equal
-    with pytest.raises(RematError, match=r"apply: expected a Plan or a strategy, got str; plan it first: remat.plan"):
+    with pytest.raises(
+        RematError,
+        match=r"apply: expected a Plan or a strategy, got str 'every_nth\(2\)'; plan the strategy first: "
+        r"remat.plan\(model, strategy='every_nth\(2\)'\)",
+    ):
         remat.apply(tiny.model, "every_nth(2)")  # type: ignore[arg-type]
+
+
+def test_apply_with_a_budget_says_to_profile_and_plan_for_it(tiny: Workload) -> None:
+    # A budget is no strategy: remat.plan(model, strategy='50%') would fail too.
+    with pytest.raises(
+        RematError,
+        match=r"apply: expected a Plan or a strategy, got str '50%'; '50%' is a memory budget, which needs measured "
+        r"sizes: profile, then plan for it: remat.plan\(remat.profile\(model, inputs, loss_fn\), budget='50%'\)",
+    ):
+        remat.apply(tiny.model, "50%")  # type: ignore[arg-type]
+    with pytest.raises(
+        RematError, match=r"got str 'lots'; give remat.plan\(...\)'s result or a strategy \(one of none, full"
+    ):
+        remat.apply(tiny.model, "lots")  # type: ignore[arg-type]
 
 
 def test_plan_json_round_trip_applies(small_mlp: Workload) -> None:

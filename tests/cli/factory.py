@@ -28,3 +28,16 @@ def timing_env() -> None:
     import os
 
     raise ValueError(",".join(f"{k}={os.environ.get(k, 'unset')}" for k in ("OMP_WAIT_POLICY", "MALLOC_TOP_PAD_")))
+
+
+class Model(nn.Module):
+    """A model class, not a factory: ``tests/cli/factory.py:Model`` is refused with the fix."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+
+def needs(width: int) -> tuple[nn.Module, torch.Tensor, object]:
+    """A factory with a parameter that has no default."""
+    return make(width)

@@ -42,6 +42,7 @@ def test_bench_writes_every_strategy_with_equal_gradients(tmp_path: Path, capsys
     printed = capsys.readouterr().out
     assert "saved" in printed and "overhead" in printed and "optimal @ 80%" in printed
     assert "timings not ranked: with 1 round the run-to-run spread cannot be measured" in " ".join(printed.split())
+    assert printed.count("timings not ranked") == 1  # in the table's caption, not again in the summary
 
 
 def test_bench_out_writes_the_values_that_report_from_reads_back(
@@ -89,6 +90,75 @@ def test_split_profiles_and_plans_each_layers_children(tmp_path: Path) -> None:
     plan = Plan.from_json(plan_path.read_text())
     assert [b.name for b in plan.blocks] == [b.name for b in prof.blocks]
     assert main(["measure", *MLP, "--plan", str(plan_path), "--steps", "1", "--out", str(tmp_path / "m.json")]) == 0
+
+
+def test_plan_on_a_profile_checks_the_model_and_loop_given_and_suggests_the_profiles(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prof_path, plan_path = tmp_path / "profile.json", tmp_path / "plan.json"
+    loop = ["--grads", "held", "--optimizer", "adamw"]
+    assert main(["profile", *MLP, *loop, "--repeats", "1", "--out", str(prof_path)]) == 0
+    capsys.readouterr()
+    solve = ["--budget", "85%", "--profile", str(prof_path), "--out", str(plan_path)]
+    # The profile alone: the suggestion names no model it cannot know, but the loop it measured.
+    assert main(["plan", *solve]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert f"measure it with: remat measure MODEL --plan {plan_path} --grads held --optimizer adamw (MODEL: " in printed
+    # The matching model: checked, and named in the suggestion.
+    assert main(["plan", *MLP, *loop, *solve]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert (
+        f"remat measure mlp '--set=widths=(8, 32, 8, 48, 8, 24)' --set=batch=256 --plan {plan_path} --grads held --optimizer adamw"
+        in printed
+    )
+    assert Plan.from_json(plan_path.read_text()).loop == Profile.from_json(prof_path.read_text()).loop
+    refused = [
+        (["gpt"], "error: plan: gpt is not the model --profile"),
+        (["mlp", "--set", "widths=(8, 16, 8)"], "is not the model --profile"),
+        ([*MLP, "--split"], "drop --split: the profile was made without it"),
+        (["--set", "batch=2"], "error: plan: --set batch=2 describes a model, but --profile"),
+        (["--grads", "none"], "error: plan: --grads none differs from the loop --profile"),
+        (["--optimizer", "sgd"], "(that is: --grads held --optimizer adamw)"),
+    ]
+    for extra, message in refused:
+        assert main(["plan", *extra, *solve]) == 1
+        assert message in " ".join(capsys.readouterr().err.split())
+    # measure warns when its loop is not the plan's, and not when it is.
+    measure = ["measure", *MLP, "--plan", str(plan_path), "--steps", "1", "--out", str(tmp_path / "m.json")]
+    assert main(measure) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "warning: the plan was made for the peak of forward + backward + AdamW step" in printed
+    assert "pass --grads held --optimizer adamw to measure the plan's loop" in printed
+    assert main([*measure, *loop]) == 0
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_model_spec_mistakes_say_what_to_write(capsys: pytest.CaptureFixture[str]) -> None:
+    cases = [
+        (
+            "tests/cli/factory.py",
+            [],
+            "error: model: 'tests/cli/factory.py' is a file; add the function in it that returns a "
+            "remat.models.Workload or (model, inputs, loss_fn), e.g. tests/cli/factory.py:make (functions defined "
+            "there: make, broken, mismatched, timing_env, needs)",
+        ),
+        ("./no_such.py", [], "error: model: no file './no_such.py' in"),
+        (
+            "tests/cli/factory.py:Model",
+            [],
+            "error: model: tests/cli/factory.py:Model is a class, not a function; give a function",
+        ),
+        (
+            "tests/cli/factory.py:needs",
+            [],
+            "cannot be called without arguments: missing a required argument: 'width'; its parameters are width: "
+            "set them with --set KEY=VALUE",
+        ),
+        ("tests.cli.factory:make", ["--set", "w=3"], "cannot be called with w=3 (from --set): got an unexpected"),
+    ]
+    for spec, sizes, message in cases:
+        assert main(["profile", spec, *sizes, "--repeats", "1"]) == 1
+        assert message in " ".join(capsys.readouterr().err.split())
 
 
 def test_user_factory(tmp_path: Path) -> None:
@@ -188,6 +258,10 @@ FAST_MISTAKES = [
     (["report", "--budget", "0.4"], "error: budget: '0.4' has no unit, so it means 0 bytes; did you mean '40%'?"),
     (["bench", "--rounds", "0"], "error: --rounds 0: must be an integer >= 1; e.g. --rounds 5"),
     (["report", "--budget", "40%", "--rounds", "-2"], "error: --rounds -2: must be an integer >= 1"),
+    (
+        ["report", "--budget", "40%", "--budget", "60%"],
+        "error: --budget given 2 times ('40%', '60%'); a report is for one budget: give one --budget",
+    ),
     (["profile", "--repeats", "0"], "error: --repeats 0: must be an integer >= 1"),
     (["measure", "--steps", "0"], "error: --steps 0: must be an integer >= 1"),
     (
@@ -392,7 +466,7 @@ def test_bench_warns_when_the_spread_is_too_large_to_rank(
         "WARNING: timings too noisy to rank the plans: run-to-run spread 72% (interquartile range / median) "
         "is larger than the typical difference between plans (7%)"
     )
-    assert out.count(warning) == 2  # in the table's caption and in the summary below it
+    assert out.count(warning) == 1  # in the table's caption, right above the summary; not repeated there
 
 
 def test_bench_does_not_warn_on_steady_timings(
@@ -431,6 +505,12 @@ def test_summary_claims_fastest_only_beyond_the_spread() -> None:
     faster_knapsack = rows[:4] + (_row("knapsack @ 50%", 90.0, 2.0, 49 * mib, budget=50 * mib),)
     [line] = budget_verdicts(BenchResult(model="m", device="cpu", held_bytes=0, rounds=5, rows=faster_knapsack))
     assert line.endswith("-> slower than knapsack @ 50% (90.0ms)")
+    assert "best knapsack" not in line  # the verdict names it already
+    ties_and_faster = (*faster_knapsack, _row("sqrt @ x", 109.0, 2.0, 44 * mib))
+    [line] = budget_verdicts(BenchResult(model="m", device="cpu", held_bytes=0, rounds=5, rows=ties_and_faster))
+    assert "fit -> slower than knapsack @ 50% (90.0ms)" in line
+    [line] = budget_verdicts(BenchResult(model="m", device="cpu", held_bytes=0, rounds=1, rows=rows))
+    assert line.startswith("budget 50.0MiB")  # the noise warning is the table's caption, not a summary line
     alone = rows[:3] + (_row("optimal @ 50%", 110.0, 2.0, 48 * mib, budget=50 * mib),)
     [line] = budget_verdicts(BenchResult(model="m", device="cpu", held_bytes=0, rounds=5, rows=alone))
     assert line.endswith("-> fastest of all that fit")

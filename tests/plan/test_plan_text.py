@@ -12,7 +12,7 @@ from remat.blocks import Block, LayerType
 from remat.core.ops import Keep, Op, Recompute, RecomputeSub
 from remat.errors import RematError
 from remat.plan.types import LEGEND, Fate, Plan, PlanLine, block_fates, ops_from_text
-from remat.report.tables import plan_tree, plans_table, recomputed_cell
+from remat.report.tables import RECOMPUTED_NOTE, plan_tree, plans_table, recomputed_cell
 
 
 def blocks(n: int = 8) -> tuple[Block, ...]:
@@ -233,7 +233,7 @@ def test_the_terminal_tree_and_table_use_the_same_words() -> None:
         and re.search(r"optimal\s+3 \+ 5 part\s", table)
         and re.search(r"optimal\s+8\s", table)
     )
-    assert "kept with their attention or MLP" in " ".join(table.split())
+    assert "kept with a part recomputed: their attention or MLP" in " ".join(table.split())
 
 
 def test_one_walk_classifies_blocks_for_every_reader() -> None:
@@ -263,5 +263,7 @@ def test_an_op_level_policy_is_a_block_kept_in_part() -> None:
     assert p.headline() == "8 blocks: 1 recomputed, 2 kept with their parts recomputed, 5 kept"
     assert p.fates()[2].fate is Fate.PART and p.fates()[2].op_level and p.checkpointed == (0, 1, 2) and p.depth == 1
     assert recomputed_cell(p.fates()) == "1 + 2 part"
+    # The tables' note says what a 'part' is: an op-level policy's block counts as one too.
+    assert "attention or MLP, or selected operations under an op-level policy ('part')" in RECOMPUTED_NOTE
     alone = plan(Keep(0), Keep(1), policy, *(Keep(i) for i in range(3, 8)))
     assert "1 kept with its selected operations recomputed" in alone.headline()

@@ -174,3 +174,15 @@ def test_a_solver_a_few_bytes_off_is_solved_again_below_the_budget(monkeypatch: 
         assert got.predicted_extra_ms == exact.predicted_extra_ms, budget
         checked += 1
     assert checked > 10
+
+
+def test_a_strategy_given_as_the_budget_is_pointed_to_strategy() -> None:
+    prof = fake_profile([100, 100, 100, 100], [1.0, 1.0, 1.0, 1.0])
+    with pytest.raises(
+        RematError, match=r"plan: budget 'full' is a strategy, not a memory budget; did you mean strategy='full'\?"
+    ):
+        remat.plan(prof, "full")
+    with pytest.raises(RematError, match=r"plan: budget Full\(\) is a strategy.*did you mean strategy='full'\?"):
+        remat.plan(prof, remat.full())  # type: ignore[arg-type]
+    with pytest.raises(RematError, match=r"did you mean strategy='every_nth\(2\)'\?"):
+        remat.plan(prof, "every_nth(2)")

@@ -10,7 +10,7 @@ import remat
 from remat.blocks import Block, LayerType
 from remat.core.ops import Keep, Recompute, RecomputeSub
 from remat.errors import RematError
-from remat.plan.strategies import STRATEGIES, ByKind, Strategy, Target, bench_strategies, parse_strategy
+from remat.plan.strategies import EXAMPLES, STRATEGIES, ByKind, Strategy, Target, bench_strategies, parse_strategy
 from remat.profile.types import BlockProfile, Profile
 
 
@@ -201,6 +201,23 @@ def test_parse_strategy() -> None:
         parse_strategy("every_nth(1, 2)")
     with pytest.raises(RematError, match="n=0 is invalid"):
         parse_strategy("every_nth(0)")
+
+
+def test_a_text_that_does_not_fit_its_strategy_gets_an_example() -> None:
+    with pytest.raises(
+        RematError,
+        match=r"strategy: 'selective\(0,2\)' does not match selective\(indices\); write e.g. selective\(\[0, 2\]\)",
+    ):
+        parse_strategy("selective(0,2)")
+    with pytest.raises(RematError, match=r"'every_nth' does not match every_nth\(n\); write e.g. every_nth\(2\)$"):
+        parse_strategy("every_nth")
+    # Every example is a well-formed text of a registered strategy, and every strategy with a required
+    # parameter has one.
+    for name, text in EXAMPLES.items():
+        assert parse_strategy(text).name == name
+    for name in STRATEGIES:
+        if name not in EXAMPLES:
+            parse_strategy(name)
 
 
 def test_attention_or_ffn_strategy_that_finds_nothing_says_so() -> None:

@@ -288,6 +288,31 @@ def test_draws_between_blocks_are_seen_and_not_joined_across() -> None:
             assert not any(chain.joinable[:-2])
 
 
+def test_loss_that_wants_the_targets_too_is_told_to_close_over_them() -> None:
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    close_over = r"loss_fn is called with the model's output only, so close over your targets: lambda out"
+    with pytest.raises(RematError, match=rf"^profile: loss_fn cross_entropy cannot be called .*{close_over}"):
+        remat.profile(model, x, F.cross_entropy, repeats=1)
+    with pytest.raises(RematError, match=rf"^profile: .*{close_over}"):  # the step's check, without op profiling
+        remat.profile(model, x, F.cross_entropy, repeats=1, ops=False)
+    with pytest.raises(RematError, match=rf"^measure: .*{close_over}"):
+        remat.measure(model, x, F.cross_entropy, steps=1)
+    with pytest.raises(RematError, match=r"^profile: loss_fn returned a tensor of shape \(2, 4\)"):
+        remat.profile(model, x, lambda y: y, repeats=1)
+    with pytest.raises(RematError, match=r"^measure: loss_fn returned a tensor of shape \(2, 4\)"):
+        remat.measure(model, x, lambda y: y, steps=1)
+
+    def own_bug(out: torch.Tensor) -> torch.Tensor:
+        return out.sum(wrong=True)  # a TypeError inside a loss that takes one argument is the user's own
+
+    with pytest.raises(TypeError, match="wrong"):
+        remat.profile(model, x, own_bug, repeats=1)
+
+
 def test_a_loss_that_differentiates_through_the_blocks_is_refused_clearly() -> None:
     # A WGAN-GP gradient penalty: torch.autograd.grad(create_graph=True) inside the loss. The profile's
     # no-save run gave torch's "unpack_hook expected to be a Tensor" TypeError.

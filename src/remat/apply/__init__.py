@@ -110,6 +110,9 @@ def _refuse_hf_checkpointing(model: nn.Module, plan: Plan) -> None:
 def remove(model: nn.Module) -> Plan | None:
     """Undo :func:`apply`: every module gets its original ``forward`` back.
 
+    Args:
+        model: The model a plan was applied to (or the DDP wrapper around it).
+
     Returns:
         The plan that was removed, or ``None`` if none was applied.
     """
@@ -117,7 +120,14 @@ def remove(model: nn.Module) -> Plan | None:
 
 
 def applied(model: nn.Module) -> Plan | None:
-    """The plan currently applied to ``model`` (or to the module a DDP wrapper holds), if any."""
+    """The plan currently applied to ``model`` (or to the module a DDP wrapper holds), if any.
+
+    Args:
+        model: The model, or the DDP wrapper around it.
+
+    Returns:
+        The plan :func:`apply` put in effect, or ``None`` if none is applied.
+    """
     entry = attached(model)
     return entry.tag if entry is not None else None
 
@@ -130,6 +140,14 @@ def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     ``fn`` is a module, a bound method of one, or a function that closes over the modules it uses
     (NOTE [ State under recomputation ] in ``remat.core.runtime``). The function-level form of the
     toolkit seed's ``checkpoint(fn, x)``.
+
+    Args:
+        fn: The function or module to run.
+        *args: Its positional arguments (tensors that need gradients flow through).
+        **kwargs: Its keyword arguments.
+
+    Returns:
+        What ``fn(*args, **kwargs)`` returns.
     """
     return run_function(fn, args, kwargs)
 

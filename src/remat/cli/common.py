@@ -22,7 +22,7 @@ from rich.console import Console
 
 from remat._json import write_atomic
 from remat.blocks import blocks as find_blocks
-from remat.core.trace import Grads
+from remat.core.trace import Grads, Loop
 from remat.errors import RematError
 from remat.models import WORKLOADS, Workload, workload
 from remat.plan.strategies import STRATEGIES, Strategy, Target, parse_strategy, strategy_params
@@ -148,9 +148,25 @@ def block_options(args: argparse.Namespace, model: torch.nn.Module) -> dict[str,
 def loop_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ``grads=`` and ``optimizer=`` keywords of profile / measure / timeline / bench for ``args``."""
     return {
-        "grads": getattr(args, "grads", Grads.NONE.value),
-        "optimizer": OPTIMIZERS[getattr(args, "optimizer", "none")],
+        "grads": getattr(args, "grads", None) or Grads.NONE.value,  # None: not given (remat plan)
+        "optimizer": OPTIMIZERS[getattr(args, "optimizer", None) or "none"],
     }
+
+
+def loop_of(args: argparse.Namespace) -> Loop:
+    """The loop ``--grads`` / ``--optimizer`` describe, as a profile or plan records it."""
+    opt = OPTIMIZERS[getattr(args, "optimizer", None) or "none"]
+    return Loop(Grads(getattr(args, "grads", None) or Grads.NONE.value), opt.__name__ if opt is not None else None)
+
+
+def loop_flags(loop: Loop) -> list[str] | None:
+    """The ``--grads`` / ``--optimizer`` words that run ``loop`` (defaults left out), or ``None`` when
+    ``--optimizer`` has no name for its optimizer (a profile made in Python with another one)."""
+    names = {cls.__name__: name for name, cls in OPTIMIZERS.items() if cls is not None}
+    if loop.optimizer is not None and loop.optimizer not in names:
+        return None
+    words = ["--grads", loop.grads.value] if loop.grads is not Grads.NONE else []
+    return words + (["--optimizer", names[loop.optimizer]] if loop.optimizer is not None else [])
 
 
 def _parse_sizes(items: list[str]) -> dict[str, Any]:
@@ -321,6 +337,26 @@ def _search_cwd() -> None:
         sys.path.append(os.getcwd())
 
 
+def _no_function(path: str) -> RematError:
+    """A ``.py`` file named without ``:function``: which functions it defines, read without running it."""
+    if not Path(path).is_file():
+        return RematError(
+            f"model: no file {path!r} in {Path.cwd()}; check the path, and name the function that returns the "
+            f"workload: {path}:function"
+        )
+    try:
+        tree = ast.parse(Path(path).read_text(), filename=path)
+        names = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
+    except (OSError, SyntaxError, ValueError):
+        names = []
+    example = f"{path}:{names[0]}" if names else f"{path}:make"
+    defined = f"functions defined there: {', '.join(names)}" if names else "it defines no top-level function"
+    return RematError(
+        f"model: {path!r} is a file; add the function in it that returns a remat.models.Workload or "
+        f"(model, inputs, loss_fn), e.g. {example} ({defined})"
+    )
+
+
 def check_model(spec: str, size_items: list[str]) -> None:
     """Find the model without building it or running its code (checked before any measuring).
 
@@ -334,6 +370,8 @@ def check_model(spec: str, size_items: list[str]) -> None:
     sizes = _parse_sizes(size_items)
     if ":" not in spec:
         factory = WORKLOADS.get(spec)
+        if factory is None and spec.endswith(".py"):
+            raise _no_function(spec)
         if factory is None:
             close = difflib.get_close_matches(spec, list(WORKLOADS), n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
@@ -420,12 +458,24 @@ def load_workload(spec: str, size_items: list[str]) -> Workload:
         raise RematError(
             f"model: {target!r} has no function {fn_name!r}; functions defined there: {', '.join(here) or 'none'}"
         )
-    if not callable(fn):
-        raise RematError(f"model: {spec!r} is not callable; give a function returning a Workload")
+    if inspect.isclass(fn) or not callable(fn):
+        what = "a class" if inspect.isclass(fn) else f"a {type(fn).__name__}"
+        raise RematError(
+            f"model: {spec} is {what}, not a function; give a function that returns a remat.models.Workload or "
+            f"(model, inputs, loss_fn), e.g. def make(): return {fn_name}(...), torch.randn(8, 16), "
+            "lambda out: out.sum()"
+        )
     try:
         inspect.signature(fn).bind(**sizes)
     except TypeError as e:
-        raise RematError(f"model: {spec} does not take {sorted(sizes)} ({e})") from None
+        given = (
+            f"with {', '.join(f'{k}={v!r}' for k, v in sizes.items())} (from --set)" if sizes else "without arguments"
+        )
+        params = ", ".join(inspect.signature(fn).parameters) or "none"
+        raise RematError(
+            f"model: {spec} cannot be called {given}: {e}; its parameters are {params}: set them with "
+            "--set KEY=VALUE, or give them defaults"
+        ) from None
     try:
         result = fn(**sizes)
     except Exception as e:  # the user's own factory failed: say so in one line

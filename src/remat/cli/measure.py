@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 from remat.apply import apply, remove
@@ -12,12 +13,15 @@ from remat.cli.common import (
     check_positive,
     console,
     load_workload,
+    loop_flags,
+    loop_of,
     loop_options,
     read_plan,
     write_file,
 )
 from remat.measure import GradientCheck, check_gradients
 from remat.measure import measure as run_measure
+from remat.plan.types import Plan
 from remat.units import format_bytes, format_ms
 
 HELP = "apply a plan (plan.json) to the model and measure real training steps against the plain model"
@@ -47,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     """Measure the plain model and the planned one in the same run; print ratios; write the JSON."""
     # A bad plan file, or a plan for other blocks, is reported (one error line) before anything is measured.
     plan = read_plan(args.plan) if args.plan is not None else None
+    if plan is not None:
+        warn_other_loop(args, plan)
     w = load_workload(args.model, args.sizes)
     if plan is not None:
         apply(w.model, plan)
@@ -76,6 +82,21 @@ def run(args: argparse.Namespace) -> int:
     write_file(args.out, result.to_json())
     console.print(f"wrote {args.out}")
     return 0
+
+
+def warn_other_loop(args: argparse.Namespace, plan: Plan) -> None:
+    """Warn when ``--grads`` / ``--optimizer`` run another loop than the one the plan's profile measured:
+    its predicted peak is for that loop, so the measured one does not compare to it."""
+    ours = loop_of(args)
+    if plan.loop is None or plan.loop == ours:
+        return
+    flags = loop_flags(plan.loop)
+    fix = f"pass {shlex.join(flags)} to measure the plan's loop" if flags else "measure it in Python with that loop"
+    console.print(
+        f"[yellow]warning:[/] the plan was made for the {plan.loop.describe()}; this run measures the "
+        f"{ours.describe()}, so its peak does not compare to the plan's prediction; {fix}",
+        highlight=False,
+    )
 
 
 def _verdict(check: GradientCheck) -> str:

@@ -20,9 +20,12 @@ from remat.cli.common import (
     check_positive,
     console,
     load_workload,
+    loop_flags,
+    loop_of,
     loop_options,
     note_high_budgets,
 )
+from remat.errors import RematError
 from remat.profile import profile as run_profile
 from remat.units import format_bytes
 
@@ -34,7 +37,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     add_split_arg(p)
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--budget", help="bytes ('1.5GiB') or share of the unplanned peak ('40%%')")
+    source.add_argument(
+        "--budget",
+        action="append",
+        help="bytes ('1.5GiB') or share of the unplanned peak ('40%%'); one (remat bench takes several)",
+    )
     source.add_argument(
         "--from",
         dest="source",
@@ -66,14 +73,20 @@ def _command(args: argparse.Namespace) -> str:
     ]
     for item in args.sizes:
         words += ["--set", item]
-    return shlex.join(words)
+    return shlex.join(words + (loop_flags(loop_of(args)) or []))
 
 
 def check(args: argparse.Namespace) -> None:
     """Every mistake that can be seen without building the model, caught before anything is measured."""
     if args.source is None:
         check_positive("--rounds", args.rounds)
-        check_budgets([args.budget])
+        check_budgets(args.budget)
+        if len(args.budget) > 1:
+            raise RematError(
+                f"--budget given {len(args.budget)} times ({', '.join(map(repr, args.budget))}); a report is for "
+                "one budget: give one --budget, or compare several with remat bench --budget A --budget B"
+            )
+        args.budget = args.budget[0]  # one, from here on
         check_model(args.model, args.sizes)
     from remat.report.plots import _require_matplotlib
 

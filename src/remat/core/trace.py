@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import enum
+import inspect
 import os
 import random
 import statistics
@@ -62,6 +63,7 @@ __all__ = [
     "parse_grads",
     "MemoryTrace",
     "call_model",
+    "call_loss",
     "train_step",
     "preserved",
     "record_memory",
@@ -94,24 +96,73 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
-def train_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor]) -> torch.Tensor:
-    """One forward and backward pass; returns the (detached) loss.
+def call_loss(loss_fn: Callable[[Any], torch.Tensor], output: Any, where: str) -> torch.Tensor:
+    """``loss_fn(output)``, checked: a scalar tensor that requires grad.
+
+    Args:
+        loss_fn: The user's loss function, called with the model's output only.
+        output: The model's output.
+        where: The public verb that called it, the start of every message (``"profile"``, ``"measure"``).
 
     Raises:
-        RematError: If ``loss_fn`` does not return a scalar tensor that requires grad.
+        RematError: If ``loss_fn`` cannot be called with one argument (``F.cross_entropy``, which also
+            wants the targets), or does not return a scalar tensor that requires grad. A TypeError raised
+            inside a loss that does take one argument is the user's own, and propagates as it is.
     """
-    if not torch.is_grad_enabled():
+    try:
+        loss = loss_fn(output)
+    except TypeError:
+        if _takes_one_argument(loss_fn, output):
+            raise
+        name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
         raise RematError(
-            "step: gradients are disabled (torch.no_grad() or inference_mode); remat measures training steps, call it with grad enabled"
-        )
-    out = call_model(model, inputs)
-    loss = loss_fn(out)
+            f"{where}: loss_fn {name} cannot be called with the model's output alone; loss_fn is called with the "
+            "model's output only, so close over your targets: lambda out: F.cross_entropy(out, y)"
+        ) from None
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
         what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise RematError(
-            f"step: loss_fn returned {what}{'' if not isinstance(loss, torch.Tensor) or loss.requires_grad else ' without grad'}; "
-            "it must map the model's output to a scalar loss that depends on the parameters"
+            f"{where}: loss_fn returned {what}{'' if not isinstance(loss, torch.Tensor) or loss.requires_grad else ' without grad'}; "
+            "it must map the model's output to a scalar loss that depends on the parameters, e.g. "
+            "lambda out: F.cross_entropy(out, y)"
         )
+    return loss
+
+
+def _takes_one_argument(fn: Callable[..., Any], arg: Any) -> bool:
+    """Whether ``fn``'s signature accepts ``fn(arg)`` (True where it has none Python can read)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind(arg)
+    except TypeError:
+        return False
+    return True
+
+
+def train_step(
+    model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor], *, where: str = "step"
+) -> torch.Tensor:
+    """One forward and backward pass; returns the (detached) loss.
+
+    Args:
+        model: The model.
+        inputs: A tensor, a tuple of positional arguments or a dict of keyword arguments.
+        loss_fn: Maps the model's output to a scalar loss.
+        where: The public verb that runs the step, the start of every message (``"measure"`` ...).
+
+    Raises:
+        RematError: If gradients are disabled or ``loss_fn`` does not return a scalar tensor that
+            requires grad (:func:`call_loss`).
+    """
+    if not torch.is_grad_enabled():
+        raise RematError(
+            f"{where}: gradients are disabled (torch.no_grad() or inference_mode); remat measures training steps, call it with grad enabled"
+        )
+    out = call_model(model, inputs)
+    loss = call_loss(loss_fn, out, where)
     loss.backward()
     return loss.detach()
 
@@ -507,6 +558,7 @@ class Iteration:
         loss_fn: Maps the model's output to a scalar loss.
         loop: The loop it runs.
         optimizer: The optimizer whose ``step()`` ends the iteration, or ``None``.
+        where: The public verb measuring it, the start of its messages (``"profile"``, ``"measure"`` ...).
     """
 
     def __init__(
@@ -516,12 +568,14 @@ class Iteration:
         loss_fn: Callable[[Any], torch.Tensor],
         loop: Loop,
         optimizer: torch.optim.Optimizer | None,
+        where: str = "measure",
     ) -> None:
         self.model = model
         self.inputs = inputs
         self.loss_fn = loss_fn
         self.loop = loop
         self.optimizer = optimizer
+        self.where = where
 
     def reset(self) -> None:
         """Between iterations: gradients to ``None``, or zeroed in place (allocated if missing)."""
@@ -533,7 +587,7 @@ class Iteration:
 
     def step(self, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> torch.Tensor:
         """Forward, backward and the optimizer's step; returns the detached loss."""
-        loss = train_step(self.model, self.inputs, loss_fn or self.loss_fn)
+        loss = train_step(self.model, self.inputs, loss_fn or self.loss_fn, where=self.where)
         self.optimizer_step()
         return loss
 
@@ -663,4 +717,4 @@ def iteration(
             stack.enter_context(_parameters_kept(params.values()))
             if not built:
                 stack.enter_context(_optimizer_kept(opt))
-        yield Iteration(model, inputs, loss_fn, loop, opt)
+        yield Iteration(model, inputs, loss_fn, loop, opt, where)

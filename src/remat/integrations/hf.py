@@ -82,7 +82,8 @@ def enable(
         budget: Bytes (``"2GiB"``) or a share of the peak without checkpointing (``"50%"``): the peak
             ``remat.measure`` reports, as in ``remat.plan``.
         loss_fn: Maps the model's output to the loss; default ``output.loss`` (the batch needs labels).
-        solver: ``"optimal"`` or ``"knapsack"`` (see ``remat.plan``).
+        solver: A name in ``SOLVERS`` (``from remat.plan import SOLVERS``): ``"optimal"``, ``"knapsack"`` or
+            ``"compile"`` (see ``remat.plan``).
         repeats: Timed steps of the profile, >= 1.
 
     Returns:
@@ -163,7 +164,7 @@ def _callback_class() -> type:
         Args:
             budget: Bytes or a share of the unplanned peak (see :func:`enable`).
             loss_fn: Maps the model's output to the loss; default ``output.loss``.
-            solver: ``"optimal"`` or ``"knapsack"``.
+            solver: ``"optimal"``, ``"knapsack"`` or ``"compile"`` (see :func:`enable`).
             repeats: Timed steps of the profile, >= 1.
 
         Attributes:

@@ -199,7 +199,7 @@ def _grads(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor]
         watch = GeneratorWatch()
         try:
             with watch:
-                loss = train_step(model, inputs, loss_fn)
+                loss = train_step(model, inputs, loss_fn, where="check_gradients")
         finally:
             for gen, state in watch.found.values():
                 gen.set_state(state)

@@ -76,7 +76,8 @@ def frontier(profile: Profile, *, points: int = 16, solver: str = "optimal") -> 
         profile: From ``remat.profile``.
         points: How many budgets to solve for, evenly spaced from the smallest feasible peak to the
             keep-everything peak, >= 2.
-        solver: A name in ``remat.plan.SOLVERS``: ``"optimal"`` or ``"knapsack"``.
+        solver: A name in ``SOLVERS`` (``from remat.plan import SOLVERS``): ``"optimal"``, ``"knapsack"``
+            or ``"compile"``.
 
     Returns:
         The :class:`Frontier` (Pareto points only) with every seed strategy's predicted figures.

@@ -156,6 +156,7 @@ def plan_from_ops(profile: Profile, ops: tuple[Op, ...], label: str, budget_byte
         predicted_extra_ms=sim.extra_ms,
         baseline_peak_bytes=profile.peak_bytes,
         baseline_step_ms=profile.step_ms,
+        loop=profile.loop,
     )
 
 
@@ -237,6 +238,12 @@ def plan(
             without a profile, or a source that is none of the above.
         PlanMismatchError: Under a process group, if the ranks profiled different blocks.
     """
+    if isinstance(budget, Strategy) or (isinstance(budget, str) and _names_a_strategy(budget)):
+        text = budget.label if isinstance(budget, Strategy) else budget.strip()
+        raise RematError(
+            f"plan: budget {budget!r} is a strategy, not a memory budget; did you mean strategy={text!r}? "
+            f"e.g. remat.plan(source, strategy={text!r}); a budget is a share ('40%') or bytes ('1.5GiB')"
+        )
     if budget is not None:
         budget = parse_budget(budget)  # its own mistakes first, whatever the source ("0.4": did you mean '40%'?)
     chosen = parse_strategy(strategy) if isinstance(strategy, str) else strategy
@@ -270,6 +277,11 @@ def plan(
             "remat.plan(model, strategy=remat.named(...))"
         )
     return to_plan(chosen, blocks=tuple(source))
+
+
+def _names_a_strategy(text: str) -> bool:
+    """Whether ``text`` starts with a registered strategy's name (``"full"``, ``"every_nth(2)"``)."""
+    return text.strip().partition("(")[0].strip() in STRATEGIES
 
 
 def _describe_source(source: object) -> str:

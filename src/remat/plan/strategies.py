@@ -781,6 +781,22 @@ def named(groups: Sequence[Sequence[str] | str]) -> Named:
 # Reading strategies from text, and the bench's representatives
 
 
+# One well-formed text per strategy that takes parameters, for the message when a text does not fit its
+# parameters (tests/plan/test_strategies.py checks that each parses).
+EXAMPLES: dict[str, str] = {
+    "every_nth": "every_nth(2)",
+    "selective": "selective([0, 2])",
+    "dynamic": "dynamic(0.5, min_interval=1)",
+    "ratio": "ratio(0.5)",
+    "attention_only": "attention_only(min_interval=2)",
+    "ffn_only": "ffn_only(min_interval=2)",
+    "largest": "largest(2)",
+    "budget": "budget('200MiB')",
+    "segments": "segments(2)",
+    "named": "named([['layers.0', 'layers.1']])",
+}
+
+
 def strategy_params(name: str) -> tuple[str, ...]:
     """The parameters of the registered strategy ``name``, in order (``("n",)`` for ``every_nth``).
 
@@ -818,7 +834,10 @@ def parse_strategy(text: str) -> Strategy:
     try:
         return STRATEGIES[name](*args, **kwargs)
     except TypeError:
-        raise RematError(f"strategy: {text!r} does not match {name}({', '.join(strategy_params(name))})") from None
+        example = EXAMPLES.get(name, name)
+        raise RematError(
+            f"strategy: {text!r} does not match {name}({', '.join(strategy_params(name))}); write e.g. {example}"
+        ) from None
 
 
 def bench_strategies(blocks: Sequence[Block], profile: Profile | None) -> list[Strategy]:

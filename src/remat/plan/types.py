@@ -45,6 +45,7 @@ from remat.core.ops import (
     validate_ops,
 )
 from remat.core.selective import ops_in_words
+from remat.core.trace import Loop
 from remat.errors import RematError
 from remat.units import format_bytes, format_ms
 
@@ -256,6 +257,8 @@ class Plan:
         predicted_extra_ms: Predicted recomputation time per step, milliseconds.
         baseline_peak_bytes: The measured peak with nothing checkpointed, bytes.
         baseline_step_ms: The measured step time with nothing checkpointed, milliseconds.
+        loop: The training-loop iteration its profile measured, which its predicted figures are for
+            (``None``: planned without a profile, or written before plans recorded it).
     """
 
     schema_version: ClassVar[int] = 1
@@ -269,6 +272,7 @@ class Plan:
     predicted_extra_ms: float | None = None
     baseline_peak_bytes: int | None = None
     baseline_step_ms: float | None = None
+    loop: Loop | None = None
 
     @property
     def checkpointed(self) -> tuple[int, ...]:
@@ -459,6 +463,7 @@ class Plan:
             "predicted_extra_ms": self.predicted_extra_ms,
             "baseline_peak_bytes": self.baseline_peak_bytes,
             "baseline_step_ms": self.baseline_step_ms,
+            "loop": None if self.loop is None else {"grads": self.loop.grads.value, "optimizer": self.loop.optimizer},
         }
 
     def to_json(self) -> str:

@@ -52,7 +52,7 @@ from remat._json import Reader
 from remat.blocks import Block, resolve
 from remat.core.runtime import suspended
 from remat.core.selective import OpKeys, op_name
-from remat.core.trace import call_model, preserved
+from remat.core.trace import call_loss, call_model, preserved
 from remat.core.wrapped import unwrap
 from remat.errors import BlockSelectionError, RematError
 
@@ -424,21 +424,12 @@ def _one_forward(
     missing = [block_list[i].name for i, r in enumerate(rec.runs) if r is None]
     if missing:
         raise BlockSelectionError(
-            f"profile_ops: block {missing[0]!r} did not run in the forward of {type(model).__name__}; select "
+            f"profile: block {missing[0]!r} did not run in the forward of {type(model).__name__}; select "
             "blocks that the model's forward calls; a model that skips layers at random (LayerDrop: HF's "
             "layerdrop / encoder_layerdrop) cannot be profiled: set that probability to 0 to profile and plan, "
             "or apply a strategy that needs no profile (remat.apply(model, remat.sqrt()))"
         )
     return [r for r in rec.runs if r is not None], out
-
-
-def _check_loss(loss: Any) -> None:
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise RematError(
-            f"profile_ops: loss_fn returned {what}; it must map the model's output to a scalar loss that "
-            "depends on the parameters"
-        )
 
 
 def _block_ops(block: Block, runs: list[_Run]) -> BlockOps:
@@ -451,7 +442,7 @@ def _block_ops(block: Block, runs: list[_Run]) -> BlockOps:
             seen = keys[at] if at < len(keys) else "its end"
             then = other[at] if at < len(other) else "its end"
             raise RematError(
-                f"profile_ops: block {block.name!r} ran different ops in forward 1 and forward {r + 1} "
+                f"profile: block {block.name!r} ran different ops in forward 1 and forward {r + 1} "
                 f"(op {at}: {seen} then {then}); selective recompute needs a forward that runs the same ops "
                 "every time (no data-dependent control flow); recompute this block whole instead"
             )
@@ -513,12 +504,12 @@ def profile_ops(
             scalar that requires grad, or a block runs different ops in two forwards.
     """
     if rounds < 1:
-        raise RematError(f"profile_ops: rounds={rounds} must be >= 1")
+        raise RematError(f"profile: rounds={rounds} must be >= 1")
     if unwrap(model) is not model:
         model = unwrap(model)
     block_list = tuple(blocks)
     if not block_list:
-        raise BlockSelectionError("profile_ops: no blocks to profile; select at least one block")
+        raise BlockSelectionError("profile: no blocks to profile; select at least one block")
     members = resolve(model, block_list)
     t0 = time.perf_counter()
     runs: list[list[_Run]] = []
@@ -528,7 +519,7 @@ def profile_ops(
             runs.append(run)
             if r == 0:
                 with torch.enable_grad():
-                    _check_loss(loss_fn(output))
+                    call_loss(loss_fn, output, "profile")  # checked here: the first call of the user's loss
             del output
     out = tuple(_block_ops(b, [run[i] for run in runs]) for i, b in enumerate(block_list))
     log.debug("profile_ops: %d blocks, %d forwards in %.3fs", len(out), rounds, time.perf_counter() - t0)

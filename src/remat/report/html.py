@@ -131,10 +131,11 @@ def _plan_md(plan: Plan) -> list[str]:
 
 
 def _reuse(command: str, directory: Path) -> tuple[str, str]:
-    """How to reuse the written plan: the ``remat measure`` command line (the model and ``--set`` of
-    ``command`` when it is a ``remat report`` line) and the Python call."""
+    """How to reuse the written plan: the ``remat measure`` command line (the model, ``--set`` and loop
+    flags ``--grads`` / ``--optimizer`` of ``command`` when it is a ``remat report`` line) and the Python call."""
     path = str(directory / REPORT_PLAN)
     model = ["MODEL"]
+    loop: list[str] = []
     try:
         words = shlex.split(command)
     except ValueError:
@@ -143,8 +144,13 @@ def _reuse(command: str, directory: Path) -> tuple[str, str]:
         model = [words[2]] + [
             w for i, w in enumerate(words) if w.startswith("--set") or (i and words[i - 1] == "--set")
         ]
+        loop = [
+            w
+            for i, w in enumerate(words)
+            if w.startswith(("--grads", "--optimizer")) or (i and words[i - 1] in ("--grads", "--optimizer"))
+        ]
     return (
-        shlex.join(["remat", "measure", *model, "--plan", path]),
+        shlex.join(["remat", "measure", *model, "--plan", path, *loop]),
         f"from remat.plan import Plan; remat.apply(model, Plan.from_json(Path({path!r}).read_text()))",
     )
 
@@ -409,7 +415,7 @@ def _html(d: Path, data: ReportData, command: str, desc: str, charts: Mapping[st
             ("figure", "predicted", "measured", "measured vs predicted"), _versus_rows(plan, row, base_ms, timelines)
         ),
     ]
-    verdicts = [v for v in budget_verdicts(result) if v != warning]  # the warning opens the report
+    verdicts = budget_verdicts(result)  # the noise warning opens the report, not repeated here
     if verdicts:
         parts.append("<ul>" + "".join(f"<li>{_e(v)}</li>" for v in verdicts) + "</ul>")
     parts.append("<h2>Charts</h2>")

@@ -127,13 +127,16 @@ def plan_tree(plan: Plan) -> Tree:
     return root
 
 
-RECOMPUTED_NOTE = "blocks recomputed whole (on their own or in segments) + blocks kept with their attention or MLP recomputed ('part')"
+RECOMPUTED_NOTE = (
+    "blocks recomputed whole (on their own or in segments) + blocks kept with a part recomputed: their "
+    "attention or MLP, or selected operations under an op-level policy ('part')"
+)
 """What the "recomputed" column of the plan and bench tables counts (:func:`recomputed_cell`)."""
 
 
 def recomputed_cell(fates: Sequence[BlockFate]) -> str:
     """How many blocks a plan recomputes, for a table: ``'5'``, or ``'3 + 5 part'`` when some blocks are
-    kept with only their attention or MLP recomputed (NOTE [ Plan vocabulary ])."""
+    kept with only a part recomputed: their attention or MLP, or selected operations (NOTE [ Plan vocabulary ])."""
     whole = sum(f.fate in (Fate.RECOMPUTED, Fate.SEGMENT) for f in fates)
     part = sum(f.fate is Fate.PART for f in fates)
     return f"{whole} + {part} part" if part else str(whole)
@@ -293,39 +296,42 @@ def _faster(a: BenchRow, b: BenchRow) -> bool:
 
 
 def budget_verdicts(result: BenchResult) -> list[str]:
-    """The summary: the noise warning when the timings cannot rank the plans, then for each solved
-    budget whether the optimal plan is faster than every other plan whose measured peak fits it.
+    """The summary: for each solved budget whether the optimal plan is faster than every other plan whose
+    measured peak fits it.
 
     "Faster" and "slower" are claimed only beyond the run-to-run spread (NOTE [ Timing noise ]); plans
-    within it are named as ties.
+    within it are named as ties. The noise warning is not repeated here: :func:`bench_table`'s caption
+    and the reports show :func:`noise_warning` once.
     """
-    warning = noise_warning(result)
-    lines = [warning] if warning else []
+    lines: list[str] = []
     for r in result.rows:
         if r.budget_bytes is None or r.solver != "optimal":
             continue
         fitting = [s for s in result.rows if s is not r and s.peak_bytes <= r.budget_bytes]
         faster = [s for s in fitting if _faster(s, r)]
         ties = [s for s in fitting if s not in faster and not _faster(r, s)]
+        named: list[BenchRow] = []
         if faster:
-            verdict = f"slower than {', '.join(f'{short_label(s.label)} ({s.step_ms:.1f}ms)' for s in faster)}"
+            named = sorted(faster, key=lambda s: s.step_ms)
+            verdict = f"slower than {', '.join(f'{short_label(s.label)} ({s.step_ms:.1f}ms)' for s in named)}"
         elif ties:
             spreads = [x.spread_pct for x in (r, *ties) if x.spread_pct is not None]
             spread = f"spreads up to {max(spreads):.0f}%" if spreads else "not measured in 1 round"
             ties.sort(key=lambda s: s.step_ms)
-            named = ", ".join(f"{short_label(s.label)} ({s.step_ms:.1f}ms)" for s in ties[:3])
+            named = ties[:3]
+            listed = ", ".join(f"{short_label(s.label)} ({s.step_ms:.1f}ms)" for s in named)
             more = f" and {len(ties) - 3} more" if len(ties) > 3 else ""
             verdict = (
-                f"no faster plan fits, but {named}{more} {'is' if len(ties) == 1 else 'are'} within the "
+                f"no faster plan fits, but {listed}{more} {'is' if len(ties) == 1 else 'are'} within the "
                 f"run-to-run spread ({spread}): not ranked"
             )
         else:
             verdict = "fastest of all that fit" if fitting else "the only plan that fits"
         best = min(fitting, key=lambda s: s.step_ms) if fitting else None
+        # The fastest other plan, unless the verdict names it already.
+        best_words = f", best {short_label(best.label)} {best.step_ms:.1f}ms" if best and best not in named else ""
         lines.append(
             f"budget {mib(r.budget_bytes)}MiB: optimal {r.step_ms:.1f}ms, measured peak {mib(r.peak_bytes)}MiB "
-            f"(predicted {mib(r.predicted_peak_bytes)}); {len(fitting)} other plans fit"
-            + (f", best {short_label(best.label)} {best.step_ms:.1f}ms" if best else "")
-            + f" -> {verdict}"
+            f"(predicted {mib(r.predicted_peak_bytes)}); {len(fitting)} other plans fit{best_words} -> {verdict}"
         )
     return lines
