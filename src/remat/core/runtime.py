@@ -1119,7 +1119,7 @@ class _Dispatch:
             role: _Role = self.module.__dict__["_remat_role"]
             if _compilable(role):
                 return _compiled(self.module, role, args, kwargs)
-        return _dispatch(self.module, args, kwargs)
+        return _eager_dispatch()(self.module, args, kwargs)
 
 
 # NOTE [ Under torch.compile ]
@@ -1149,10 +1149,15 @@ def _compiled(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: dic
 
 
 # Eagerly (and under torch.compile for what NOTE [ Under torch.compile ] does not cover: a graph break).
-@torch.compiler.disable
 def _dispatch(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     role: _Role = module.__dict__["_remat_role"]
     return _invoke(module, role, role.spans, args, kwargs, replay=False)
+
+
+@functools.cache
+def _eager_dispatch() -> Callable[..., Any]:
+    # torch.compiler.disable imports torch._dynamo (2.5 s): done on the first call, not at ``import remat``.
+    return torch.compiler.disable(_dispatch)  # type: ignore[no-any-return]
 
 
 def _count(module: nn.Module) -> None:
