@@ -1114,12 +1114,16 @@ class _Dispatch:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        _disable_for_compile()  # a model applied in another process: as _set_role does here
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             role: _Role = self.module.__dict__["_remat_role"]
             if _compilable(role):
                 return _compiled(self.module, role, args, kwargs)
-        return _eager_dispatch()(self.module, args, kwargs)
+        return _EAGER[0](self.module, args, kwargs)
 
 
 # NOTE [ Under torch.compile ]
@@ -1154,10 +1158,14 @@ def _dispatch(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     return _invoke(module, role, role.spans, args, kwargs, replay=False)
 
 
-@functools.cache
-def _eager_dispatch() -> Callable[..., Any]:
-    # torch.compiler.disable imports torch._dynamo (2.5 s): done on the first call, not at ``import remat``.
-    return torch.compiler.disable(_dispatch)  # type: ignore[no-any-return]
+# ``_dispatch`` behind torch.compiler.disable, which imports torch._dynamo (2.5 s): made when a plan is
+# first attached (eagerly, before any compile traces ``_Dispatch``), not at ``import remat``.
+_EAGER: list[Callable[..., Any]] = [_dispatch]
+
+
+def _disable_for_compile() -> None:
+    if _EAGER[0] is _dispatch:
+        _EAGER[0] = torch.compiler.disable(_dispatch)
 
 
 def _count(module: nn.Module) -> None:
@@ -1178,6 +1186,7 @@ def _set_role(module: nn.Module, role: _Role) -> None:
             "to a module around it); remove that plan first"
         )
     module.__dict__["_remat_role"] = role
+    _disable_for_compile()
     module.__dict__["forward"] = _Dispatch(module)
 
 
