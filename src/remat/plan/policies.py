@@ -10,6 +10,16 @@ in ``remat.core.selective`` gives the costs this module models from a :class:`~r
 - ``S`` must not hold a view or an in-place op, an op whose output a later op mutates, or a random op
   followed (before the early stop) by a random op that is recomputed (:func:`validate_policy`).
 
+# NOTE [ The block's output is held anyway ]
+A storage the block returns (``BlockOps.outputs``) outlives the block's forward whatever the policy:
+the next block saves it as its input, or its checkpoint holds it, and the model may keep it longer (an
+FPN's list of stage outputs, read again by its top-down path, ``pinned_out_bytes``). Recomputing the op
+that made it frees nothing while those hold it, and replays a second copy in the backward; an FPN whose
+stages each recomputed their closing ReLU measured 1.18x its prediction, the four stage outputs
+(475,136 bytes) counted as freed yet alive at the peak in the head's backward. So the output's saved
+storage is never counted as freed (``freed_bytes``), and the menu caches the op that made it wherever
+torch can (it costs nothing more than keeping the block holds, and saves its recompute time).
+
 Both costs add up over ``S``, so choosing ``S`` is a two-objective 0/1 knapsack. :func:`policy_menu`
 returns a few of its Pareto-optimal policies (held bytes down, recompute time up), found exactly over
 the candidate ops when they are few and greedily otherwise. The trivial ends are left out: caching
@@ -49,7 +59,8 @@ class OpPolicy:
             not cached), in forward order.
         held_bytes: Bytes the cached outputs hold between forward and backward (unique storages).
         freed_bytes: Bytes held less than keeping the block: what autograd saves of the block's own
-            storages, less ``held_bytes``.
+            storages, less ``held_bytes``, less what it saves of the block's outputs that are not cached
+            (alive anyway: NOTE [ The block's output is held anyway ]).
         recompute_ms: Time of the ops in ``recompute``, milliseconds.
         freed: Keys of the ops whose saved outputs are recomputed rather than held (what :meth:`describe`
             counts): the op that allocated the storage, or the random op that filled it in place
@@ -111,9 +122,30 @@ def _random(b: BlockOps) -> list[int]:
     return [op.index for op in b.ops[: b.stop] if op.random]
 
 
+def _saved_outputs(b: BlockOps) -> list[int]:
+    """The ops that allocated a storage the block returns and autograd saves (NOTE [ The block's output is held anyway ])."""
+    return sorted(i for i in set(b.outputs) if i != EXTERNAL and b.ops[i].saved_bytes > 0)
+
+
+def _forced(b: BlockOps) -> list[int]:
+    """The block's saved outputs that every menu policy caches: those torch can cache, a random op only
+    if every random op after it can be cached too (NOTE [ The block's output is held anyway ])."""
+    ok = _cacheable(b)
+    out = [i for i in _saved_outputs(b) if ok[i]]
+    while out:
+        # A cached random op must be followed by cached random ops only (NOTE [ Selective recompute semantics ]).
+        barrier = max((r for r in _random(b) if r not in out), default=-1)
+        bad = [i for i in out if b.ops[i].random and i < barrier]
+        if not bad:
+            break
+        out = [i for i in out if i not in bad]
+    return out
+
+
 def _candidates(b: BlockOps) -> list[int]:
     """The ops worth caching: those whose outputs autograd saves and the producers of their inputs,
-    if they can be cached, and a random op only if every random op after it can be cached too."""
+    if they can be cached, and a random op only if every random op after it can be cached too (the
+    block's saved outputs aside: :func:`_forced`)."""
     ok = _cacheable(b)
     chosen: set[int] = set()
     writers: dict[int, list[int]] = {}
@@ -130,8 +162,10 @@ def _candidates(b: BlockOps) -> list[int]:
             for r in b.ops[w].reads:
                 chosen.update(s for s in b.ops[r].storages if s != EXTERNAL and ok[s])
     # A random op left to recompute must follow every cached one (else it draws other numbers).
+    forced = set(_forced(b))
+    chosen |= forced
     barrier = max((r for r in _random(b) if r not in chosen), default=-1)
-    return sorted(i for i in chosen if not (b.ops[i].random and i < barrier))
+    return sorted(i for i in chosen - forced if not (b.ops[i].random and i < barrier))
 
 
 def _freed_key(b: BlockOps, alloc: int) -> str:
@@ -163,13 +197,19 @@ def make_policy(block_ops: BlockOps, save: Iterable[str]) -> OpPolicy:
         cached.add(i)
     held_storages = {s for i in cached for s in b.ops[i].storages if s != EXTERNAL}
     held = sum(b.ops[s].out_bytes for s in held_storages)
+    # NOTE [ The block's output is held anyway ]: recomputing it frees nothing.
+    alive = set(_saved_outputs(b)) - held_storages
     recompute = [op for op in b.ops[: b.stop] if op.index not in cached]
-    freed = [_freed_key(b, op.index) for op in b.ops if op.saved_bytes > 0 and op.index not in held_storages]
+    freed = [
+        _freed_key(b, op.index)
+        for op in b.ops
+        if op.saved_bytes > 0 and op.index not in held_storages and op.index not in alive
+    ]
     return OpPolicy(
         save=tuple(b.ops[i].key for i in sorted(cached)),
         recompute=tuple(op.key for op in recompute),
         held_bytes=held,
-        freed_bytes=b.own_saved_bytes - held,
+        freed_bytes=b.own_saved_bytes - held - sum(b.ops[i].saved_bytes for i in alive),
         recompute_ms=math.fsum(op.ms for op in recompute),
         freed=tuple(freed),
     )
@@ -265,11 +305,24 @@ def _pareto(points: list[_Point]) -> list[_Point]:
     return out
 
 
+def _base(b: BlockOps) -> _Point:
+    """What every menu policy holds of the block's outputs, as a point (held, -time saved, cached ops):
+    the forced ones cached, the saved outputs torch cannot cache alive anyway (NOTE [ The block's output
+    is held anyway ])."""
+    forced = _forced(b)
+    alive = sum(b.ops[i].saved_bytes for i in _saved_outputs(b) if i not in forced)
+    return (
+        sum(b.ops[i].out_bytes for i in forced) + alive,
+        -sum(_ns(b.ops[i].ms) for i in forced),
+        frozenset(forced),
+    )
+
+
 def _exact(b: BlockOps, cands: list[int]) -> list[_Point]:
     """Every Pareto-optimal cached set over ``cands`` (a knapsack over the fronts of growing item sets)."""
     full = sum(_ns(op.ms) for op in b.ops[: b.stop])
     # Points as (held, -time saved) while building, so both go down.
-    front: list[_Point] = [(0, 0, frozenset())]
+    front: list[_Point] = [_base(b)]
     rand = [i for i in cands if b.ops[i].random]
     for i in cands:
         if i in rand:
@@ -290,11 +343,16 @@ def _exact(b: BlockOps, cands: list[int]) -> list[_Point]:
 def _greedy(b: BlockOps, cands: list[int]) -> list[_Point]:
     """Cached sets from caching every candidate down to none, recomputing the most bytes per ms first."""
     full = sum(_ns(op.ms) for op in b.ops[: b.stop])
+    base_bytes, base_ns, forced = _base(b)
     cached = set(cands)
     out: list[_Point] = []
     while True:
         out.append(
-            (sum(b.ops[i].out_bytes for i in cached), full - sum(_ns(b.ops[i].ms) for i in cached), frozenset(cached))
+            (
+                base_bytes + sum(b.ops[i].out_bytes for i in cached),
+                full + base_ns - sum(_ns(b.ops[i].ms) for i in cached),
+                frozenset(cached) | forced,
+            )
         )
         if not cached:
             return out
@@ -320,10 +378,11 @@ def policy_menu(block_ops: BlockOps, *, exact_limit: int = 16, max_options: int 
     """A few Pareto-optimal selective policies for one block, from most held to least.
 
     The candidates are the ops whose outputs autograd saves and the ops producing their inputs, when
-    they can be cached. With at most ``exact_limit`` candidates the trade-off is exact (every subset is
-    covered by a knapsack over Pareto fronts); with more, greedy: cache every candidate, then stop
-    caching the op that frees the most bytes per ms of recompute, one at a time. Keeping the block and
-    recomputing it whole are not on the menu, nor anything they beat.
+    they can be cached; every option caches the ops that made the block's saved outputs, where torch
+    can (NOTE [ The block's output is held anyway ]). With at most ``exact_limit`` candidates the
+    trade-off is exact (every subset is covered by a knapsack over Pareto fronts); with more, greedy:
+    cache every candidate, then stop caching the op that frees the most bytes per ms of recompute, one
+    at a time. Keeping the block and recomputing it whole are not on the menu, nor anything they beat.
 
     Args:
         block_ops: The block's op profile.
@@ -342,12 +401,14 @@ def policy_menu(block_ops: BlockOps, *, exact_limit: int = 16, max_options: int 
         raise RematError(f"policy_menu: exact_limit={exact_limit} must be >= 0 and max_options={max_options} >= 1")
     b = block_ops
     cands = _candidates(b)
-    if not cands:
+    if not cands and not _forced(b):
         return ()
     points = _exact(b, cands) if len(cands) <= exact_limit else _greedy(b, cands)
     full_ns = sum(_ns(op.ms) for op in b.ops[: b.stop])
     keep: _Point = (b.own_saved_bytes, 0, frozenset({-1}))
-    nothing: _Point = (0, full_ns, frozenset())
+    # Recomputing the block whole frees everything but its output (NOTE [ The block's output is held anyway ]).
+    alive = sum(b.ops[i].saved_bytes for i in _saved_outputs(b))
+    nothing: _Point = (alive, full_ns, frozenset())
     # The ends first, so an option only as good as one of them loses to it.
     front = [p for p in _pareto([keep, nothing, *points]) if p[2] and p is not keep]
     front = _spread(front, max_options, b.own_saved_bytes, full_ns)
