@@ -653,6 +653,48 @@ def test_blocks_drawing_from_python_and_numpy_generators_replay_exactly() -> Non
         assert got[1:] == plain[1:]  # the generators end where the plain step leaves them
 
 
+class _OwnDropout(nn.Module):
+    """Draws its mask from a generator of its own, in training only, and has BatchNorm statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8)
+        self.generator = torch.Generator().manual_seed(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(torch.tanh(self.fc(x)))
+        if self.training:
+            h = h * torch.bernoulli(torch.full_like(h, 0.5), generator=self.generator) * 2
+        return h
+
+
+def test_an_eval_step_first_does_not_hide_what_training_steps_do() -> None:
+    # The first call after apply learns a block's generators and the buffers it updates; an eval step
+    # with gradients (a saliency map, a validation loss backpropagated) drew nothing and updated no
+    # statistics: training replays then drew other masks (silently) and BatchNorm's update was refused.
+    torch.manual_seed(0)
+    start = nn.Sequential(_OwnDropout(), _OwnDropout(), _OwnDropout())
+    x = torch.randn(16, 8)
+
+    def steps(m: nn.Module) -> list[torch.Tensor]:
+        out = []
+        m.eval()
+        m(x).square().sum().backward()
+        m.train()
+        for _ in range(2):
+            m.zero_grad(set_to_none=True)
+            m(x).square().sum().backward()
+            out += [p.grad.clone() for p in m.parameters()] + [b.clone() for b in m.buffers()]
+        return out
+
+    plain = steps(copy.deepcopy(start))
+    for strategy in (remat.full(), remat.segments(2)):
+        m = copy.deepcopy(start)
+        remat.apply(m, strategy)
+        got = steps(m)
+        assert all(torch.equal(a, b) for a, b in zip(plain, got)), strategy.label
+
+
 def test_blocks_drawing_from_python_generators_get_no_policy_and_plan_exactly() -> None:
     # The profile timed such a block under torch's selective checkpoint, which refused it: the whole
     # profile failed with an "op-level policy" RematError.

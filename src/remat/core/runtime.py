@@ -50,7 +50,9 @@ own code between them, and arguments that only exist once the earlier members ha
 A replay runs a member's forward again. Forwards that update a buffer in place (BatchNorm's running
 statistics, spectral norm's power iteration, a custom running mean) would see the updated value and
 update it a second time. The first call of a member after ``apply`` learns which of its buffers it
-updates (version counters, with every buffer and tensor argument snapshotted for that call only);
+updates (version counters, with every buffer and tensor argument snapshotted for that call only; a
+call in the other train/eval mode than the learning call learns again: an eval step may draw nothing
+and update no statistics);
 each later call snapshots those buffers before it runs; a replay swaps the snapshot in and the
 current value back afterwards (also when the replay stops early). So state ends exactly as in the
 plain model and the replay computes with the values the forward saw. This is scoped to the member's
@@ -71,7 +73,8 @@ generator (``_Frame.end_rng``, a digest of the state; the profile charges a copy
 a member that draws from a generator of its own (``torch.bernoulli(p, generator=self.g)``) is found
 on the learning call (a dispatch mode sees the op's ``generator`` argument), and from then on each
 call keeps that generator's state too, which its replay sets, putting the generator back to where it
-was afterwards. A generator a member first draws from on a later call than its first is not seen. An
+was afterwards. A generator a member first draws from on a later call than its first in the same
+train/eval mode is not seen. An
 op-level policy (torch's selective checkpoint restores the default generators only) refuses such a
 member on its first call; the profile offers none for it. Python's ``random`` and numpy's global
 generator are compared before and after a member's first call (50 us), and every call after, if that
@@ -169,6 +172,7 @@ class _Role:
     name: str
     allow_stateful: bool = False
     learned: bool = False
+    learned_training: bool = True  # the module's train/eval mode on the learning call: another mode learns again
     stateful: frozenset[str] = frozenset()
     norms: frozenset[str] | None = None
     policy: frozenset[str] | None = None  # RecomputeOps: keys of the ops whose outputs are kept
@@ -879,7 +883,7 @@ class _StateGuard:
             role.stateful = frozenset(changed)
             self.attrs = _attrs_changed(self.attr_before)
             role.attrs = tuple((sub, name) for sub, name, _ in self.attrs)
-            role.learned = True
+            role.learned, role.learned_training = True, self.module.training
             return {n: self.before[n] for n in changed}
         unexpected = [n for n in changed if n not in role.stateful]
         if edited or unexpected:
@@ -994,6 +998,8 @@ def _guarded_recompute(
 def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A block under an op-level policy (NOTE [ Op-level policies ] in ``remat.core.selective``)."""
     assert role.policy is not None
+    if role.learned and role.learned_training != module.training:
+        role.learned = False  # NOTE [ State under recomputation ]: a mode change learns again
     buffers = [(name, b, b._version) for name, b in module.named_buffers()]
     watch = GeneratorWatch() if not role.learned else contextlib.nullcontext()
     py_before = _py_states() if not role.learned else None
@@ -1018,7 +1024,7 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
                 "numbers in its recomputation; keep this block or recompute it whole (remat.plan does not offer "
                 "policies for such blocks)"
             )
-        role.learned = True
+        role.learned, role.learned_training = True, module.training
     changed = [name for name, b, version in buffers if b._version != version]
     if changed:
         # Its recomputation in the backward would update them a second time: refuse before that happens
@@ -1063,6 +1069,8 @@ def _invoke(
             "saved-tensor hooks and so checkpointing do not support; remat.remove(model) before the transform, "
             "or differentiate with torch.autograd"
         )
+    if role.learned and role.learned_training != module.training:
+        role.learned = False  # NOTE [ State under recomputation ]: a mode change learns again
     leaves = tree_leaves((args, kwargs))
     rng = _rng_state(leaves, role.generators)
     guard = _StateGuard(module, role, leaves)
