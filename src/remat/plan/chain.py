@@ -46,8 +46,14 @@ which a segment copies per call, and ``rel[k]`` (``released_bytes``), the part o
 is none of the inputs a segment ending at k holds (a tensor the model's code held from earlier blocks,
 GPT-2's ``attn_output``; the block's output that a residual sum replaces): the gap frees it under a
 segment too. A kept block holds ``S'[k] = S[k] + g[k]``; a segment ``a..b-1`` holds
-``H(a, b) = x[b] + c + us[a] + sum(max(g[q], 0) + pin[q] + gs[q] for q in a..b-1) + sum(pout[q] + re[q]
-for q in a..b-2) + sum(un[q] for q in a+1..b-1) - rel[b-1]`` (``Chain.segment_bytes``).
+``H(a, b) = x[b] + c + us[a] + sum(max(g[q] + gf[q], 0) + pin[q] + gs[q] for q in a..b-1) + sum(pout[q] +
+re[q] for q in a..b-2) + sum(un[q] for q in a+1..b-1) - rel[b-1]`` (``Chain.segment_bytes``), where
+``gf[q]`` (``gap_freed_input_bytes``) is what of block q's (linked) inputs its gap frees: ``g[q]`` nets
+that free against what the gap allocates, and under a segment the free never happens (the checkpoint
+holds its first block's input; a later block's input was made inside and dropped with it), while the
+allocation does: GPT-NeoX's ``a = drop(attn(h))`` frees the attention output as ``x + a`` is made for
+the sum after the MLP, a gap of 0, and a checkpoint over the dropout measured 8 KiB (``x + a``) above
+its prediction without ``gf``.
 
 Memory is simulated (``remat.plan.simulate``) with a level ``L`` starting at ``base_bytes``:
   forward   Keep(k):            peak L + fp[k];  L += S'[k]
@@ -161,6 +167,10 @@ class Chain:
             whose gap is the head's, its input less what it saves of it). ``bwd_peak_bytes`` is charged
             from the level without them (the input is gone by the block's backward), and a segment
             starting at the block holds them through its replay and backward (default 0).
+        gap_freed_input_bytes: Bytes of each block's linked inputs that the gap after it frees, which
+            ``gap_bytes`` nets against what the gap allocates; a segment over the block holds
+            ``max(0, gap_bytes + gap_freed_input_bytes)`` of the gap (default 0;
+            ``BlockProfile.gap_freed_input_bytes``).
         released_bytes: The part of each block's negative gap that is none of the inputs a segment ending
             with it holds: freed under the segment too (default 0; see :func:`_released`).
         pending_grad_bytes: Bytes of activation gradients pending when each block's backward starts (the
@@ -205,6 +215,7 @@ class Chain:
     unsaved_input_bytes: tuple[int, ...] = ()
     generator_state_bytes: tuple[int, ...] = ()
     freed_input_bytes: tuple[int, ...] = ()
+    gap_freed_input_bytes: tuple[int, ...] = ()
     released_bytes: tuple[int, ...] = ()
     pending_grad_bytes: tuple[int, ...] = ()
     rng_copy_bytes: tuple[int, ...] = ()
@@ -234,6 +245,7 @@ class Chain:
             "generator_state_bytes",
             "stop_ms",
             "freed_input_bytes",
+            "gap_freed_input_bytes",
             "released_bytes",
             "pending_grad_bytes",
             "rng_copy_bytes",
@@ -257,7 +269,7 @@ class Chain:
         # Prefix sums for segment_bytes, which the simulator and the solvers call for every segment.
         n = len(self.fwd_ms) - 1
         inside = [
-            (max(0, int(self.gap_bytes[q])) if q < n else 0)
+            (max(0, int(self.gap_bytes[q]) + int(self.gap_freed_input_bytes[q])) if q < n else 0)
             + int(self.pinned_bytes[q])
             + int(self.generator_state_bytes[q])
             for q in range(n + 1)
@@ -286,11 +298,11 @@ class Chain:
         output, one RNG state, what the code after it adds, and what stays alive inside it anyway."""
         # Summed over the blocks: a gap that frees memory in the plain step (a frozen block's input, no
         # longer needed) may free nothing under a segment, which holds its first block's inputs (count
-        # rises only); what is pinned; what a block's output pins or reuses, for all but the last block;
-        # what is unlinked, for all but the first, and of the first's unlinked inputs what it does not
-        # save itself; an RNG state per later call after a draw (prefix sums of __post_init__); less what
-        # the gap after the last block frees that is none of that block's inputs (released_bytes: freed
-        # under the segment too).
+        # rises only, what it allocates counted whole: gap_freed_input_bytes); what is pinned; what a
+        # block's output pins or reuses, for all but the last block; what is unlinked, for all but the
+        # first, and of the first's unlinked inputs what it does not save itself; an RNG state per later
+        # call after a draw (prefix sums of __post_init__); less what the gap after the last block frees
+        # that is none of that block's inputs (released_bytes: freed under the segment too).
         return (
             int(self.x_bytes[stop])
             + int(self.unsaved_input_bytes[start])
@@ -494,6 +506,7 @@ def chain_of(profile: Profile) -> Chain:
         unsaved_input_bytes=tuple(b.unsaved_input_bytes for b in bps) + (0,),
         generator_state_bytes=tuple(b.generator_state_bytes for b in bps) + (0,),
         freed_input_bytes=_freed_inputs(profile) + (0,),
+        gap_freed_input_bytes=tuple(b.gap_freed_input_bytes for b in bps) + (0,),
         released_bytes=_released(profile, joinable) + (0,),
         pending_grad_bytes=tuple(b.pending_grad_bytes for b in bps) + (0,),
         rng_copy_bytes=tuple(profile.ckpt_state_bytes if b.fresh_rng else 0 for b in bps) + (0,),

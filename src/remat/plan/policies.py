@@ -428,9 +428,10 @@ def _held_inputs(profile: Profile, i: int) -> int:
     """
     bp = profile.block_profiles[i]
     # Of a negative gap, only the block's inputs that it does not save (the rest is freed anyway:
-    # Chain.released_bytes).
+    # Chain.released_bytes); and the inputs the gap frees while it allocates as much (a gap of 0:
+    # GPT-NeoX's attention output, dropped as ``x + a`` is made; BlockProfile.gap_freed_input_bytes).
     unsaved_inputs = max(0, bp.input_bytes - profile.block_ops[i].input_saved_bytes)
-    held = min(max(0, -bp.gap_bytes), unsaved_inputs) + bp.unsaved_input_bytes
+    held = min(max(0, -bp.gap_bytes, bp.gap_freed_input_bytes), unsaved_inputs) + bp.unsaved_input_bytes
     # And the inputs from before the block that the plain step frees in the forward after it (T5's position
     # bias, dropped when the stack returns: Profile.late_inputs, Chain.late_held_bytes).
     late = sum(li.nbytes for li in profile.late_inputs if li.producer < i < li.freed_after and i in li.users)

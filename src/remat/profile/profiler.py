@@ -310,10 +310,12 @@ def profile(
         _stop_share(block_ops, n),
     )
     prof = replace(prof, loop=it.loop, block_ops=block_ops, late_inputs=_late_inputs(trace, tracked, n))
+    gap_freed = _gap_freed_inputs(trace, tracked, n)
     bps = tuple(
         replace(
             bp,
             gap_bytes=gaps[i],
+            gap_freed_input_bytes=gap_freed[i],
             pinned_bytes=pinned[i][0],
             pinned_out_bytes=pinned[i][1],
             reused_bytes=reused[i],
@@ -462,6 +464,33 @@ def _pinned(
             # that a later tensor reuses does not count.
             result[owner][2] += size
     return [(a, b, c) for a, b, c in result]
+
+
+def _gap_freed_inputs(trace: MemoryTrace, tracked: Probe, n: int) -> list[int]:
+    """Per block, the bytes of its inputs that the code after it frees before the next block starts
+    (``BlockProfile.gap_freed_input_bytes``; 0 for the last block, whose gap is the head's).
+
+    By allocation lifetimes, not by the level: a gap that frees the block's input and allocates as much
+    nets to nothing (GPT-NeoX's ``a = drop(attn(h))`` drops the attention output as ``x + a`` is made, for
+    the sum after the MLP), while a segment over the block holds its input or never had it, and holds
+    what the gap allocates (NOTE [ Chain cost model ]).
+    """
+    marks = {name: ts[0] for name, ts in trace.mark_times().items()}
+    lives = trace.lifetimes()
+    out = [0] * n
+    for i in range(n - 1):
+        start = marks.get(f"{Event.FORWARD}{i}")
+        end = marks.get(f"{Event.FORWARD_END}{i}")
+        after = marks.get(f"{Event.FORWARD}{i + 1}")
+        if start is None or end is None or after is None:
+            continue
+        for ptr, size in tracked.inputs[i].items():
+            if ptr in tracked._unlinked_storages[i]:
+                continue  # made between blocks: unsaved_input_bytes holds it for a segment starting here
+            span = next((lt for lt in lives.get(ptr, ()) if lt[0] <= start < lt[1]), None)
+            if span is not None and end < span[1] <= after:
+                out[i] += size
+    return out
 
 
 def _late_inputs(trace: MemoryTrace, tracked: Probe, n: int) -> tuple[LateInput, ...]:

@@ -92,6 +92,12 @@ class BlockProfile:
             ending with it leaves for the blocks after it).
         gap_bytes: Level change after its forward and before the next block starts (code between
             blocks), bytes; 0 for the last block.
+        gap_freed_input_bytes: Bytes of its inputs, other than those made between blocks (``unlinked_bytes``),
+            that the code after it frees before the next block starts (by allocation lifetimes; 0 for the
+            last block). ``gap_bytes`` nets them against what
+            that code allocates (GPT-NeoX's ``x + a``, made as the attention output is dropped): a segment
+            over the block never frees them there (it holds its first block's input, and never had a later
+            block's), so it holds ``gap_bytes + gap_freed_input_bytes`` of the gap's allocations.
         pinned_bytes: Bytes allocated in its forward, its outputs excluded, that stay alive when
             autograd saves nothing inside the blocks (held by the model or a hook), bytes.
         pinned_out_bytes: Bytes of its outputs that stay alive when autograd saves nothing inside blocks
@@ -159,6 +165,7 @@ class BlockProfile:
     grad_bytes: int = 0
     selective_ms: float | None = None
     pending_grad_bytes: int = 0
+    gap_freed_input_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.own_output_bytes < 0:  # profiles written before the field existed
