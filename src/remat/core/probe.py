@@ -33,6 +33,9 @@ class Event(str, Enum):
     BACKWARD_END = "b"  # gradients reach a block's inputs: its backward ends
     SUB = "S"  # an attention/FFN sub-module's forward starts
     SUB_END = "s"  # it returns
+    # Gradients reach a sub-module's outputs (tracked runs only): its backward starts, and with it the
+    # recomputation of a sub-module checkpointed alone (NOTE [ Sub-module recomputation peak ]).
+    SUB_BACKWARD = "T"
 
     def __str__(self) -> str:
         return self.value
@@ -97,6 +100,10 @@ class Probe:
         self.saved: list[dict[int, int]] = [{} for _ in range(n + m)]
         self.inputs: list[dict[int, int]] = [{} for _ in range(n + m)]
         self.outputs: list[dict[int, int]] = [{} for _ in range(n + m)]
+        # Of each sub-module's inputs: storage data pointer -> a number that names the storage over the
+        # whole step (the same tensor taken by several sub-modules: T5's position bias), see _identity.
+        self.input_ids: list[dict[int, int]] = [{} for _ in range(n + m)]
+        self._identities: list[weakref.ref[torch.UntypedStorage]] = []
         self.calls = [0] * n
         self.order: list[int] = []
         # Calls made inside the backward (the model recomputes the block itself: torch.utils.checkpoint
@@ -139,6 +146,9 @@ class Probe:
             self._active.append(slot)
             if self.track:
                 self.inputs[slot].update(storages((args, kwargs), self.params))
+                if kind is Event.SUB:
+                    for ptr, st in _live_storages((args, kwargs), self.params):
+                        self.input_ids[slot][ptr] = self._identity(st)
                 self._arg_versions[slot] = [
                     (t, t._version) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
                 ]
@@ -154,6 +164,15 @@ class Probe:
                         self.tensor_handles.append(t.register_hook(self._once(Event.BACKWARD_END, index)))
 
         return hook
+
+    def _identity(self, st: torch.UntypedStorage) -> int:
+        """A number for a live storage, the same for as long as it lives (a pointer alone is not: see
+        _storage_refs)."""
+        for number, ref in enumerate(self._identities):
+            if ref() is st:
+                return number
+        self._identities.append(weakref.ref(st))
+        return len(self._identities) - 1
 
     def _in_backward(self, index: int) -> Callable[..., None]:
         def hook(_mod: nn.Module, _args: Any) -> None:
@@ -179,6 +198,10 @@ class Probe:
                 for t in tree_leaves(out):
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         self.tensor_handles.append(t.register_hook(self._once(Event.BACKWARD, index)))
+            elif kind is Event.SUB_END and self.track:
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        self.tensor_handles.append(t.register_hook(self._once(Event.SUB_BACKWARD, index)))
             self.callback(kind, index)
 
         return hook
@@ -296,6 +319,7 @@ class Probe:
 def probe(model: nn.Module, block_list: Sequence[Block], callback: Callback, *, track: bool = False) -> Iterator[Probe]:
     """Report ``(event, index)`` at each block's forward start and end, backward start and end, and each
     attention/FFN sub-module's forward start and end (:class:`Event`); with ``track``, also record the
-    storages each block saves for backward, takes and returns."""
+    storages each block saves for backward, takes and returns, and report when each sub-module's
+    backward starts."""
     with Probe(model, block_list, callback, track=track).installed() as p:
         yield p

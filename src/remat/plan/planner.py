@@ -14,7 +14,7 @@ from remat.core.ops import Keep, Op, RecomputeSub, ops_repr
 from remat.errors import BudgetInfeasibleError, RematError
 from remat.plan.chain import Chain, chain_of
 from remat.plan.policies import op_costs
-from remat.plan.solver import SubCosts, VariantId, min_peak, min_peak_plan, simulate, solve
+from remat.plan.solver import SubCosts, VariantCost, VariantId, min_peak, min_peak_plan, simulate, solve
 from remat.plan.strategies import STRATEGIES, Named, Strategy, Target, parse_strategy
 from remat.plan.types import Plan
 from remat.profile.types import Profile
@@ -80,7 +80,8 @@ class Solver:
         generator state inside it, which the simulation counts)."""
         costs = self.sub_costs(profile)
         lowest = min_peak(chain, nested=self.nests, sub_costs=costs, top_level_variants=self.top_level_variants)
-        return max(lowest, simulate(chain, self.min_peak_plan(profile, chain), costs).peak_bytes)
+        held = profile.sub_held_inputs() if self.sub_variants else None
+        return max(lowest, simulate(chain, self.min_peak_plan(profile, chain), costs, held).peak_bytes)
 
     def min_peak_plan(self, profile: Profile, chain: Chain) -> tuple[Op, ...]:
         """The operations of :meth:`min_peak`'s plan."""
@@ -117,12 +118,10 @@ def solver_named(name: str, *, where: str = "plan") -> Solver:
     return found
 
 
-def variant_costs(
-    profile: Profile, *, subs: bool = True, ops: bool = True
-) -> dict[tuple[int, VariantId], tuple[int, float] | tuple[int, float, int]]:
+def variant_costs(profile: Profile, *, subs: bool = True, ops: bool = True) -> dict[tuple[int, VariantId], VariantCost]:
     """The measured costs of the ways of keeping a block other than plainly (NOTE [ Keep variants ]):
     sub-modules checkpointed (``subs``), op-level policies (``ops``)."""
-    costs: dict[tuple[int, VariantId], tuple[int, float] | tuple[int, float, int]] = {}
+    costs: dict[tuple[int, VariantId], VariantCost] = {}
     for (k, fqns), sub in (profile.sub_costs() if subs else {}).items():
         costs[(k, fqns)] = sub
     for (k, op), policy in (op_costs(profile) if ops else {}).items():
@@ -145,7 +144,7 @@ def plan_from_ops(profile: Profile, ops: tuple[Op, ...], label: str, budget_byte
                 "alone, as apply would refuse it; keep that block or recompute it whole (another strategy, "
                 "or a budget)"
             )
-    sim = simulate(chain_of(profile), ops, costs)
+    sim = simulate(chain_of(profile), ops, costs, profile.sub_held_inputs())
     return Plan(
         strategy=label,
         blocks=profile.blocks,

@@ -48,6 +48,15 @@ Each way has its own ``S, fp, bp`` (lowered by the bytes freed) and extra time; 
 program keeps a block (keep-first, and the last block of a range) it takes the best way. So the
 optimal plan dominates ``attention_only`` / ``ffn_only`` as it dominates the block-level rules.
 
+# NOTE [ Inputs held once ]
+A sub-module checkpoint holds its inputs from its forward to its recomputation; ``saved_bytes`` charges
+those its block does not save (T5's position bias, taken by every layer's attention, saved by none and
+freed after the stack). A block's sub-module checkpoints open and close nested in each other's
+(forward in order, backward in reverse), so one tensor that several take is held over the span of the
+earliest open one, once. :func:`simulate` charges it once (``sub_held``: which inputs each
+``RecomputeSub`` holds); the program's per-block costs charge it each time, on the safe side of the
+simulation, as for late inputs held across segments (the planner settles on the simulation).
+
 # NOTE [ Gradients in the program ]
 With gradients set to ``None`` before the iteration, block ``k``'s backward leaves ``G[k]`` bytes of
 parameter gradients (NOTE [ Chain cost model ]), so what runs later runs above more memory: in
@@ -90,15 +99,34 @@ from remat.core.ops import Keep, Op, Recompute, RecomputeOps, RecomputeSub, vali
 from remat.errors import RematError
 from remat.plan.chain import Chain
 
-__all__ = ["Simulation", "SubCosts", "VariantId", "simulate", "solve", "min_peak", "min_peak_plan", "all_plans"]
+__all__ = [
+    "Simulation",
+    "SubCosts",
+    "SubHeld",
+    "VariantCost",
+    "VariantId",
+    "simulate",
+    "solve",
+    "min_peak",
+    "min_peak_plan",
+    "all_plans",
+]
 
 # A way to keep a block other than plainly: the sub-modules checkpointed inside it (RecomputeSub), or an
 # op-level policy (RecomputeOps, the operation itself).
 VariantId = tuple[str, ...] | RecomputeOps
-SubCosts = Mapping[tuple[int, VariantId], tuple[int, float] | tuple[int, float, int]]
+# (bytes saved, recompute ms[, bytes added to the backward peak[, bytes off the forward peak]]), see SubCosts.
+VariantCost = tuple[int, float] | tuple[int, float, int] | tuple[int, float, int, int]
+SubCosts = Mapping[tuple[int, VariantId], VariantCost]
 """``(block index, fqns or RecomputeOps) -> (bytes saved relative to Keep, recompute milliseconds[,
-bytes the recomputation adds to the block's backward peak])`` for ``RecomputeSub`` and
-``RecomputeOps``; op-level policies only at the top level of a plan (NOTE [ Keep variants ])."""
+bytes the recomputation adds to the block's backward peak beyond the bytes saved (negative where it
+adds less)[, bytes the block's forward peak drops by]])`` for ``RecomputeSub`` and ``RecomputeOps``;
+op-level policies only at the top level of a plan (NOTE [ Keep variants ], NOTE [ Sub-module
+recomputation peak ] in ``remat.profile.types``)."""
+
+SubHeld = Mapping[tuple[int, tuple[str, ...]], tuple[tuple[int, int], ...]]
+"""``(block index, fqns) -> ((number, bytes), ...)``: the inputs a ``RecomputeSub``'s checkpoints hold that
+its costs charge (NOTE [ Inputs held once ])."""
 
 # Headrooms up to this many bytes are solved in 1-byte units, i.e. exactly.
 _EXACT_MAX_BYTES = 4096
@@ -137,17 +165,20 @@ class Simulation:
     extra_ms: float
 
 
-def _kept_sizes(chain: Chain, k: int, saved: int, transient: int = 0) -> tuple[int, int, int]:
+def _kept_sizes(chain: Chain, k: int, saved: int, transient: int = 0, fwd_drop: int = 0) -> tuple[int, int, int]:
     """(S, fp, bp) of block ``k`` run normally, with ``saved`` bytes of sub-modules checkpointed.
 
     Checkpointing a sub-module lowers what the block holds between its forward and its backward by
     ``saved``; its own peaks stay where they were (the sub-module's activations exist during its
     forward, and are recomputed during the block's backward), so ``bp`` rises by ``saved`` relative
     to the lower level, and by what the recomputation itself holds for a while (``transient``: the
-    output of the op where it stops early, the RNG state it forks).
+    output of the op where it stops early, the RNG state it forks). Where the profile saw the block's
+    peaks fall after a sub-module's forward end or before its recomputation, ``fwd_drop`` lowers ``fp``
+    and a negative ``transient`` lowers ``bp`` (NOTE [ Sub-module recomputation peak ] in
+    ``remat.profile.types``).
     """
     keep, fwd_peak, bwd_peak = chain.kept_level_bytes(k), int(chain.fwd_peak_bytes[k]), int(chain.bwd_peak_bytes[k])
-    return keep - saved, fwd_peak, bwd_peak + saved + transient
+    return keep - saved, fwd_peak - fwd_drop, bwd_peak + saved + transient
 
 
 @dataclass(frozen=True)
@@ -184,12 +215,18 @@ def _variants(chain: Chain, sub_costs: SubCosts | None, top_only: bool = False) 
             key: VariantId | _TopOnly = variant if isinstance(variant, RecomputeOps) else tuple(variant)
             if top_only and isinstance(key, tuple):
                 key = _TopOnly(key)
-            out[k].append((key, *_kept_sizes(chain, k, int(cost[0]), _transient(cost)), float(cost[1])))
+            out[k].append(
+                (key, *_kept_sizes(chain, k, int(cost[0]), _transient(cost), _fwd_drop(cost)), float(cost[1]))
+            )
     return out
 
 
-def _transient(cost: tuple[int, float] | tuple[int, float, int]) -> int:
+def _transient(cost: VariantCost) -> int:
     return int(cost[2]) if len(cost) > 2 else 0  # type: ignore[misc]
+
+
+def _fwd_drop(cost: VariantCost) -> int:
+    return int(cost[3]) if len(cost) > 3 else 0  # type: ignore[misc]
 
 
 def _kept_op(k: int, variant: VariantId | _TopOnly | None) -> Op:
@@ -203,9 +240,14 @@ def _kept_op(k: int, variant: VariantId | _TopOnly | None) -> Op:
 class _Simulator:
     """The level/peak bookkeeping of NOTE [ Chain cost model ] for one plan."""
 
-    def __init__(self, chain: Chain, sub_costs: SubCosts | None) -> None:
+    def __init__(self, chain: Chain, sub_costs: SubCosts | None, sub_held: SubHeld | None = None) -> None:
         self.chain = chain
         self.sub_costs = sub_costs
+        # NOTE [ Inputs held once ]: the inputs open sub-module checkpoints hold (number -> bytes), and per
+        # RecomputeSub the bytes its costs charge that an open one holds already.
+        self.sub_held = sub_held or {}
+        self.held_open: dict[int, int] = {}
+        self.held_credit: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.level = chain.base_bytes
         self.peak = chain.base_bytes
         self.extra_ms = 0.0
@@ -229,9 +271,9 @@ class _Simulator:
         if not isinstance(op, (RecomputeSub, RecomputeOps)):
             return _kept_sizes(self.chain, op.index, 0)
         cost = self._sub_cost(op)
-        return _kept_sizes(self.chain, op.index, int(cost[0]), _transient(cost))
+        return _kept_sizes(self.chain, op.index, int(cost[0]), _transient(cost), _fwd_drop(cost))
 
-    def _sub_cost(self, op: RecomputeSub | RecomputeOps) -> tuple[int, float] | tuple[int, float, int]:
+    def _sub_cost(self, op: RecomputeSub | RecomputeOps) -> VariantCost:
         key: tuple[int, VariantId] = (op.index, op if isinstance(op, RecomputeOps) else tuple(op.fqns))
         if self.sub_costs is None or key not in self.sub_costs:
             raise RematError(
@@ -272,9 +314,30 @@ class _Simulator:
             return
         keep, fwd_peak, _ = self._block_sizes(op)
         self._rise(fwd_peak)
-        self.level += keep - discard
+        self.level += keep - discard - self._open_held(op)
         if replay:
             self.extra_ms += float(c.fwd_ms[op.index])
+
+    def _open_held(self, op: Op) -> int:
+        """Open ``op``'s sub-module checkpoints: the bytes of their held inputs that an open one holds already."""
+        if not isinstance(op, RecomputeSub):
+            return 0
+        credit, fresh = 0, []
+        for number, nbytes in self.sub_held.get((op.index, tuple(op.fqns)), ()):
+            if number in self.held_open:
+                credit += nbytes
+            else:
+                self.held_open[number] = nbytes
+                fresh.append(number)
+        self.held_credit[id(op)] = (credit, tuple(fresh))
+        return credit
+
+    def _close_held(self, op: Op) -> int:
+        """Close what :meth:`_open_held` opened; the bytes it credited."""
+        credit, fresh = self.held_credit.pop(id(op), (0, ()))
+        for number in fresh:
+            del self.held_open[number]
+        return credit
 
     def backward(self, op: Op, discard: int = 0) -> None:
         """Run ``op``'s backward (and, for a recompute, the replay of its inner plan)."""
@@ -303,7 +366,7 @@ class _Simulator:
             return
         keep, _, bwd_peak = self._block_sizes(op)
         self._rise(bwd_peak)
-        self.level -= keep - discard
+        self.level -= keep - discard - self._close_held(op)
         self.level += int(self.chain.grad_bytes[op.index])  # its parameters' gradients stay
         if isinstance(op, (RecomputeSub, RecomputeOps)):
             self.extra_ms += float(self._sub_cost(op)[1])
@@ -317,7 +380,9 @@ class _Simulator:
         self.level += int(c.grad_bytes[n])
 
 
-def simulate(chain: Chain, ops: tuple[Op, ...], sub_costs: SubCosts | None = None) -> Simulation:
+def simulate(
+    chain: Chain, ops: tuple[Op, ...], sub_costs: SubCosts | None = None, sub_held: SubHeld | None = None
+) -> Simulation:
     """Predict the peak memory and the time of a plan (NOTE [ Chain cost model ]).
 
     Args:
@@ -328,6 +393,9 @@ def simulate(chain: Chain, ops: tuple[Op, ...], sub_costs: SubCosts | None = Non
             (milliseconds) of recomputing the sub-modules. It is simulated as ``Keep(k)`` with
             ``keep_bytes`` lowered by ``saved_bytes``, the block's own peaks unchanged in absolute
             terms, and ``recompute_ms`` of extra time.
+        sub_held: For each ``RecomputeSub``, ``(number, bytes)`` of the inputs its checkpoints hold that
+            ``saved_bytes`` charges (``Profile.sub_held_inputs``): one that an open sub-module checkpoint
+            holds already is charged once (NOTE [ Inputs held once ]); without it, each time.
 
     Returns:
         The predicted peak (bytes) and times (milliseconds).
@@ -337,7 +405,7 @@ def simulate(chain: Chain, ops: tuple[Op, ...], sub_costs: SubCosts | None = Non
             not end with a ``Keep``, or ``sub_costs`` lacks a ``RecomputeSub`` of the plan.
     """
     validate_ops(ops, chain.n, source="simulate")
-    sim = _Simulator(chain, sub_costs)
+    sim = _Simulator(chain, sub_costs, sub_held)
     for op in ops:
         sim.forward(op, replay=False)
     sim.head()

@@ -735,6 +735,15 @@ def _assemble(
         grads_before = sum(size for t, size in grad_events if t < b0)
         l_f0 = trace.level_at(f0)
         plain_ms = block_ms(i, "plain")
+        # NOTE [ Sub-module recomputation peak ]: where each sub-module's backward starts, and the order.
+        first_sub = sub_index
+        sub_bwd = {
+            j: marks[f"{Event.SUB_BACKWARD}{j}"]
+            for j in range(first_sub, first_sub + len(b.attention_fqns) + len(b.ffn_fqns))
+            if f"{Event.SUB_BACKWARD}{j}" in marks and b0 <= marks[f"{Event.SUB_BACKWARD}{j}"] <= b1
+        }
+        bwd_rank = {j: r for r, j in enumerate(sorted(sub_bwd, key=lambda j: (sub_bwd[j], j)))}
+        bwd_level = trace.level_at(f1) + grads_before  # the reference of bwd_peak_bytes below
         subs = []
         for fqn in (*b.attention_fqns, *b.ffn_fqns):
             slot = n + sub_index
@@ -746,16 +755,38 @@ def _assemble(
             saved = {k: v for k, v in tracked.saved[slot].items() if k not in tracked.inputs[slot]}
             # Checkpointing the sub-module holds its inputs (and an RNG state): free where the block saves
             # them anyway, a cost where it does not (a frozen layer with LoRA adapters saves no input).
-            held_inputs = sum(v for k, v in tracked.inputs[slot].items() if k not in tracked.saved[i])
+            unsaved_inputs = {k: v for k, v in tracked.inputs[slot].items() if k not in tracked.saved[i]}
+            held_inputs = sum(unsaved_inputs.values())
             rng_bytes = int(torch.get_rng_state().nbytes) if dev.type == "cpu" else 0
+            saved_bytes = sum(saved.values()) - held_inputs - rng_bytes
+            sub_peak = None
+            if sub_index in sub_bwd:
+                t = sub_bwd[sub_index]
+                s0, s1 = mt(Event.SUB, sub_index), mt(Event.SUB_END, sub_index)
+                # Its recomputation there rises as its forward did at most, above the RNG state it stashes,
+                # and leaves saved_bytes of it; the RNG state its checkpoint holds (out of saved_bytes) is
+                # held to the block's backward end.
+                rise = trace.peak_between(s0, s1) - trace.level_at(s0) + rng_bytes
+                sub_peak = (
+                    max(trace.peak_between(t, b1), trace.level_at(t) + rise - saved_bytes) + rng_bytes - bwd_level
+                )
+            # And the block's forward, from the sub-module's forward end on, runs without what it saved.
+            sub_end = marks.get(f"{Event.SUB_END}{sub_index}")
+            fwd_split = None
+            if sub_end is not None and f0 <= sub_end <= f1:
+                fwd_split = (trace.peak_between(f0, sub_end) - l_f0, trace.peak_between(sub_end, f1) - l_f0)
             subs.append(
                 SubProfile(
                     fqn=fqn,
-                    saved_bytes=sum(saved.values()) - held_inputs - rng_bytes,
+                    saved_bytes=saved_bytes,
                     output_bytes=sum(tracked.outputs[slot].values()),
                     fwd_ms=ms((Event.SUB, sub_index), (Event.SUB_END, sub_index)),
                     # NOTE [ Measured checkpoint costs ]: its forward once more, and one checkpoint call.
                     extra_ms=ms((Event.SUB, sub_index), (Event.SUB_END, sub_index)) + call_ms,
+                    bwd_peak_bytes=sub_peak,
+                    bwd_index=bwd_rank.get(sub_index),
+                    fwd_split_bytes=fwd_split,
+                    held_inputs=tuple((tracked.input_ids[slot][k], v) for k, v in unsaved_inputs.items()),
                 )
             )
             sub_index += 1

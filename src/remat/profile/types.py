@@ -48,6 +48,17 @@ class SubProfile:
         fwd_ms: Its forward time, milliseconds.
         extra_ms: Measured extra time of its block's step when it is checkpointed (recomputation and
             checkpoint overhead), milliseconds.
+        bwd_peak_bytes: Peak of its block's plain backward from where its own backward starts (its
+            recomputation when checkpointed alone, whose rise its forward bounds, less ``saved_bytes``)
+            to the block's backward end, above the same level as ``BlockProfile.bwd_peak_bytes``, bytes;
+            None where its backward was not seen (NOTE [ Sub-module recomputation peak ]).
+        bwd_index: Its place among its block's sub-modules in the backward (0: the first to run), or None.
+        fwd_split_bytes: Peaks of its block's plain forward up to its own forward end and from there to the
+            block's forward end, above the level at the block's start (as ``BlockProfile.fwd_peak_bytes``),
+            bytes; None where not seen (NOTE [ Sub-module recomputation peak ]).
+        held_inputs: ``(number, bytes)`` of each input its checkpoint holds that its block does not save
+            (counted in ``saved_bytes``); the same number in every sub-module that takes the same tensor
+            (T5's position bias), which checkpoints open at once hold once (NOTE [ Inputs held once ]).
     """
 
     fqn: str
@@ -55,6 +66,10 @@ class SubProfile:
     output_bytes: int
     fwd_ms: float
     extra_ms: float = 0.0
+    bwd_peak_bytes: int | None = None
+    bwd_index: int | None = None
+    fwd_split_bytes: tuple[int, int] | None = None
+    held_inputs: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -252,17 +267,35 @@ class Profile:
     block_ops: tuple[BlockOps, ...] = ()
     late_inputs: tuple[LateInput, ...] = ()
 
-    def sub_costs(self) -> dict[tuple[int, tuple[str, ...]], tuple[int, float]]:
-        """For ``RecomputeSub``: (bytes freed, recompute ms) of checkpointing each block's attention / FFN subs."""
-        out: dict[tuple[int, tuple[str, ...]], tuple[int, float]] = {}
+    def sub_costs(self) -> dict[tuple[int, tuple[str, ...]], tuple[int, float, int, int]]:
+        """For ``RecomputeSub``: (bytes freed, recompute ms, bytes its backward peak moves by beyond the
+        bytes freed, bytes its forward peak drops by; NOTE [ Sub-module recomputation peak ]) of
+        checkpointing each block's attention / FFN subs."""
+        out: dict[tuple[int, tuple[str, ...]], tuple[int, float, int, int]] = {}
         for i, (b, bp) in enumerate(zip(self.blocks, self.block_profiles)):
             by_fqn = {s.fqn: s for s in bp.subs}
             for group in (b.attention_fqns, b.ffn_fqns):
                 if group and all(f in by_fqn for f in group):
+                    subs = [by_fqn[f] for f in group]
+                    saved = sum(s.saved_bytes for s in subs)
                     out[(i, group)] = (
-                        sum(by_fqn[f].saved_bytes for f in group),
-                        sum(max(by_fqn[f].extra_ms, by_fqn[f].fwd_ms) for f in group),
+                        saved,
+                        sum(max(s.extra_ms, s.fwd_ms) for s in subs),
+                        _recompute_peak(bp.bwd_peak_bytes, subs) - bp.bwd_peak_bytes - saved,
+                        bp.fwd_peak_bytes - _forward_peak(bp.fwd_peak_bytes, subs),
                     )
+        return out
+
+    def sub_held_inputs(self) -> dict[tuple[int, tuple[str, ...]], tuple[tuple[int, int], ...]]:
+        """For each ``RecomputeSub`` of :meth:`sub_costs`: ``(number, bytes)`` of the inputs its checkpoints
+        hold that the block does not save, for the simulation to charge once (NOTE [ Inputs held once ])."""
+        out: dict[tuple[int, tuple[str, ...]], tuple[tuple[int, int], ...]] = {}
+        for i, (b, bp) in enumerate(zip(self.blocks, self.block_profiles)):
+            by_fqn = {s.fqn: s for s in bp.subs}
+            for group in (b.attention_fqns, b.ffn_fqns):
+                if group and all(f in by_fqn for f in group):
+                    # A tensor two sub-modules of the group take is held by both their checkpoints.
+                    out[(i, group)] = tuple(held for f in group for held in by_fqn[f].held_inputs)
         return out
 
     def to_json(self) -> str:
@@ -342,3 +375,54 @@ class Profile:
         if stateful:
             lines.append(f"  stateful blocks, always kept: {', '.join(stateful)}")
         return "\n".join(lines)
+
+
+# NOTE [ Sub-module recomputation peak ]
+# A block kept with sub-modules checkpointed inside it (RecomputeSub) holds ``saved`` bytes less from its
+# forward to its backward, and each sub-module's activations come back only when the backward reaches
+# that sub-module (torch's non-reentrant checkpoint recomputes on the first unpack), by which time the
+# backward of what ran after it in the forward (the MLP after an attention, the cross-attention after a
+# self-attention) has freed what it saved. So the block's backward runs on the plain step's curve less
+# the ``saved_bytes`` of the sub-modules not yet recomputed: above the lowered level after its forward,
+# its peak is
+#   max(bp, max over the sub-modules j in backward order of bwd_peak_bytes[j] + saved[j'] summed over j' <= j)
+# where ``bwd_peak_bytes[j]`` is the plain backward's peak from j's backward start to the block's, or j's
+# recomputation there (at most its forward's rise above the RNG state it stashes, less what stays saved),
+# whichever is higher, plus the RNG state its checkpoint holds to the end of the block's backward.
+# The chain model charged ``bp + saved`` before: too high where the block's backward peaks before a
+# sub-module is recomputed (whisper's decoder layer peaks at the start of its backward, in its MLP's,
+# before either attention is recomputed: ``bp + saved`` was 363,080 bytes too high), too low where the
+# recomputation itself peaks above the block's plain backward (T5's cross-attention as a block of its own).
+# Where a sub-module's backward was not seen, ``bp + saved``.
+
+
+def _recompute_peak(bwd_peak_bytes: int, subs: list[SubProfile]) -> int:
+    """The backward peak of a block with ``subs`` checkpointed, above the lowered level after its forward,
+    bytes (NOTE [ Sub-module recomputation peak ])."""
+    seen = [(s.bwd_index, s.bwd_peak_bytes, s.saved_bytes) for s in subs]
+    peaks = [(i, p, saved) for i, p, saved in seen if i is not None and p is not None]
+    if len(peaks) < len(subs):
+        return bwd_peak_bytes + sum(s.saved_bytes for s in subs)
+    peak, recomputed = bwd_peak_bytes, 0
+    for _, after, saved in sorted(peaks):
+        recomputed += saved
+        peak = max(peak, after + recomputed)
+    return peak
+
+
+def _forward_peak(fwd_peak_bytes: int, subs: list[SubProfile]) -> int:
+    """The forward peak of a block with ``subs`` checkpointed, above the level at its start, bytes: the
+    plain forward's, less what the sub-modules that have returned saved (NOTE [ Sub-module recomputation
+    peak ]); where a sub-module's forward was not seen, the plain one."""
+    splits = [(s.fwd_split_bytes, s.saved_bytes) for s in subs if s.fwd_split_bytes is not None]
+    if len(splits) < len(subs):
+        return fwd_peak_bytes
+    # In forward order: a later end has a peak before it no lower and a peak after it no higher.
+    order = sorted(((before, -after, saved) for (before, after), saved in splits))
+    # Up to the first sub-module's end, the plain forward; between two ends, the lower of the two bounds.
+    peak, done = order[0][0], 0
+    for pos, (_, neg_after, saved) in enumerate(order):
+        done += saved
+        after = -neg_after if pos + 1 == len(order) else min(-neg_after, order[pos + 1][0])
+        peak = max(peak, after - done)
+    return min(peak, fwd_peak_bytes)
