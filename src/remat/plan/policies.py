@@ -123,8 +123,13 @@ def _random(b: BlockOps) -> list[int]:
 
 
 def _saved_outputs(b: BlockOps) -> list[int]:
-    """The ops that allocated a storage the block returns and autograd saves (NOTE [ The block's output is held anyway ])."""
-    return sorted(i for i in set(b.outputs) if i != EXTERNAL and b.ops[i].saved_bytes > 0)
+    """The ops that allocated a storage the block returns and autograd saves all of what they allocated
+    (NOTE [ The block's output is held anyway ]): a ReLU or tanh closing the block, which saves its
+    output. Not a LayerNorm, which saves only its statistics: recomputing it frees those, and caching
+    it would hold its output too (a [Linear, GELU, LayerNorm] chain lost its cheapest policy)."""
+    return sorted(
+        i for i in set(b.outputs) if i != EXTERNAL and 0 < b.ops[i].out_bytes <= b.ops[i].saved_bytes
+    )
 
 
 def _forced(b: BlockOps) -> list[int]:
