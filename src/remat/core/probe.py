@@ -268,16 +268,26 @@ class Probe:
         return hook
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        # NOTE [ Saved outputs make cycles ]
+        # A pack hook's return value is held by the graph node that saves it. When the saved tensor is
+        # that node's own output (sigmoid, tanh, exp, a softmax save theirs), returning the tensor itself
+        # makes a cycle (tensor -> its grad_fn -> the packed tensor) that passes through C++ and that
+        # Python's collector does not see: a graph no backward runs through (a forward-only profile
+        # run, a branch the loss does not reach) was never freed, and every remat.profile call kept
+        # about three forwards' activations alive for good (448 MiB each on workload A), its op
+        # timings running on freshly faulted memory (GELU 3x its time in a training step). A detached
+        # alias holds the same storage without the grad_fn: the graph frees as without hooks, and the
+        # node rebuilds the tensor's autograd links when it unpacks.
         if self._active:
             try:
                 st = t.untyped_storage()
                 ptr, size = st.data_ptr(), st.nbytes()
             except (RuntimeError, NotImplementedError):
-                return t
+                return t.detach()
             if ptr not in self.params:
                 for slot in self._active:
                     self.saved[slot][ptr] = size
-        return t
+        return t.detach()
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[Probe]:

@@ -127,9 +127,7 @@ def _saved_outputs(b: BlockOps) -> list[int]:
     (NOTE [ The block's output is held anyway ]): a ReLU or tanh closing the block, which saves its
     output. Not a LayerNorm, which saves only its statistics: recomputing it frees those, and caching
     it would hold its output too (a [Linear, GELU, LayerNorm] chain lost its cheapest policy)."""
-    return sorted(
-        i for i in set(b.outputs) if i != EXTERNAL and 0 < b.ops[i].out_bytes <= b.ops[i].saved_bytes
-    )
+    return sorted(i for i in set(b.outputs) if i != EXTERNAL and 0 < b.ops[i].out_bytes <= b.ops[i].saved_bytes)
 
 
 def _forced(b: BlockOps) -> list[int]:

@@ -368,7 +368,7 @@ class _Recorder(TorchDispatchMode):
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if self.current is not None:
             self.current.saved(t)
-        return t
+        return t.detach()  # NOTE [ Saved outputs make cycles ] in remat.core.probe
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

@@ -50,19 +50,25 @@ log = logging.getLogger(__name__)
 # checkpointed on its own and charges each block what its forward + backward really took in that
 # configuration beyond the plain one. The solver then prices a checkpointed block at ``ckpt_fwd_ms``
 # (the no-save forward with its overhead) plus its plain forward and backward. Part of the overhead
-# comes once per checkpoint call, not per block: timing all blocks under one checkpoint as well, the
-# step-time difference to "full" is (n - 1) calls, which gives ``ckpt_call_ms``. A replay ends as soon
+# comes once per checkpoint call, not per block (``ckpt_call_ms``): the profile measures it on two tiny
+# blocks run by remat's runtime, each under a checkpoint of its own against both under one, 15 times
+# interleaved (``_call_ms``: about 30 ms of wall time; it was the difference of two whole steps, one
+# with every block checkpointed and one with all under one checkpoint, which cost a step, came out 0
+# on B's split blocks (the step difference was within the noise) and was not timed for models that are
+# not chains, so a segment of k blocks was charged k calls: B's split plans predicted +12-15% for +7%).
+# A replay ends as soon
 # as the last tensor the forward saved is saved again (torch's early stop): the ops of a block after
 # its last saved tensor (a closing Linear's matmul: autograd saves its inputs before it runs) do not
 # run again when the block ends a replay, and do when the replay goes on into the next block. The per-op
-# profile gives their share of the block's forward (``stop_ms``); "full" ends every block's replay early, one checkpoint only the
-# last block's, so ``ckpt_fwd_ms`` adds ``stop_ms`` back (a whole no-save forward and replay) and the
+# profile gives their share of the block's forward (``stop_ms``); "full" ends every block's replay
+# early, so ``ckpt_fwd_ms`` adds ``stop_ms`` back (a whole no-save forward and replay) and the
 # chain model takes it off once per replay, for the segment's last block. A sub-module
 # variant (attention / FFN checkpointed) costs its measured forward once more plus one call.
 #
 # What this costs (issue #9 asked for at most 10 plain steps on a 12-layer GPT): ``repeats`` plain
-# iterations, ceil(repeats / 2) with every block checkpointed and max(1, repeats // 2) under one
-# checkpoint, interleaved, and no warm-up round per configuration (the warm-up iterations warm the
+# iterations, ceil(repeats / 2) with every block checkpointed, max(1, repeats // 2) under selective
+# checkpoints (NOTE [ Op-level policy costs ]), interleaved; FLOPs counted in the first warm-up
+# iteration, and no warm-up round per configuration (the warm-up iterations warm the
 # model; the first checkpointed step measured no slower than later ones).
 
 
@@ -112,7 +118,7 @@ def _selective_ok(b: Block, stateful: tuple[str, ...], block_ops: BlockOps) -> b
 
 
 def _timing_configs(
-    block_list: Sequence[Block], *, chain: bool, selective: Sequence[bool] = (), editing: Sequence[bool] = ()
+    block_list: Sequence[Block], *, selective: Sequence[bool] = (), editing: Sequence[bool] = ()
 ) -> dict[str, tuple[Op, ...]]:
     n = len(block_list)
     editing = tuple(editing) or (False,) * n  # blocks that edit an argument in place: never recomputed
@@ -121,12 +127,52 @@ def _timing_configs(
         "plain": keeps,
         "full": tuple(Keep(i) if editing[i] else Recompute(i, i + 1, (Keep(i),)) for i in range(n)),
     }
-    if chain and n >= 2 and not any(editing):
-        # One checkpoint around every block: against "full" (n checkpoints) it gives the cost per call.
-        configs["segment"] = (Recompute(0, n, keeps),)
     if any(selective):
         configs["selective"] = tuple(RecomputeOps(i, ()) if ok else Keep(i) for i, ok in enumerate(selective))
     return configs
+
+
+class _Tiny(nn.Module):
+    """A block that costs next to nothing and saves two tensors (the call cost probe's)."""
+
+    def __init__(self, dev: torch.device) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.full((8, 8), 0.1, device=dev))  # no draw from the user's generator
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.w)
+
+
+def _call_ms(dev: torch.device, reps: int = 15) -> float:
+    """The fixed cost of one checkpoint call through remat's runtime (NOTE [ Measured checkpoint costs ]):
+    two tiny blocks each under a checkpoint of its own against both under one, interleaved, median."""
+    model = nn.Sequential(_Tiny(dev), _Tiny(dev))
+    x = torch.full((4, 8), 0.5, device=dev, requires_grad=True)
+    block_list = find_blocks(model, types=_Tiny)
+    members = resolve(model, block_list)
+    fqns = [b.fqns for b in block_list]
+    configs = (
+        (Recompute(0, 1, (Keep(0),)), Recompute(1, 2, (Keep(1),))),
+        (Recompute(0, 2, (Keep(0), Keep(1))),),
+    )
+
+    def once(ops: tuple[Op, ...]) -> float:
+        touched = install(model, ops, members, fqns)
+        try:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter_ns()
+            model(x).sum().backward()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            return (time.perf_counter_ns() - t0) / 1e6
+        finally:
+            uninstall(touched)
+
+    for ops in configs:
+        once(ops)
+    diffs = [once(configs[0]) - once(configs[1]) for _ in range(reps)]
+    return max(0.0, median(diffs))
 
 
 def _schedule(configs: Sequence[str], repeats: int) -> list[str]:
@@ -134,7 +180,6 @@ def _schedule(configs: Sequence[str], repeats: int) -> list[str]:
     rounds = {
         "plain": repeats,
         "full": -(-repeats // 2),
-        "segment": max(1, repeats // 2),
         "selective": max(1, repeats // 2),
     }
     order: list[str] = []
@@ -198,9 +243,10 @@ def profile(
 ) -> Profile:
     """Measure a model's blocks on a real batch, in an iteration of the training loop the user runs.
 
-    Runs ``warmup`` plain iterations, ``repeats`` timed iterations (median per block) and a few with
-    blocks checkpointed (NOTE [ Measured checkpoint costs ]), one iteration under the torch profiler for
-    memory, one counting FLOPs (``torch.utils.flop_counter``'s formulas), and (``ops``) a forward recording every op.
+    Runs ``warmup`` plain iterations (the first counting FLOPs by ``torch.utils.flop_counter``'s
+    formulas), ``repeats`` timed iterations (median per block) and a few with blocks checkpointed (NOTE
+    [ Measured checkpoint costs ]), one iteration under the torch profiler for memory, and (``ops``) a
+    forward recording every op.
     The profile's peak, and the budgets of plans made from it, are the peak of that iteration (NOTE
     [ What a step's peak means ] in ``remat.core.trace``; ``Profile.loop`` records it). The model is
     left exactly as it was: parameters, gradients, buffers (BatchNorm statistics), RNG state,
@@ -239,11 +285,21 @@ def profile(
         raise BlockSelectionError("profile: no blocks to profile; select at least one block")
     dev = device_of(model, inputs)
     n = len(block_list)
-    # NOTE [ Op-level policy costs ]: every op of each block's forward (a few forwards, no backward).
-    block_ops = profile_ops(model, inputs, loss_fn, block_list, rounds=1) if ops else ()
-
     with suspended(model), iteration(model, inputs, loss_fn, grads=grads, optimizer=optimizer, where="profile") as it:
-        held = it.warm_up(warmup)
+        # FLOPs, counted in the first warm-up iteration (untimed anyway: one iteration fewer to run).
+        flop_events: list[tuple[str, int, int]] = []
+        counter = _FlopCount()
+        with probe(model, block_list, lambda kind, i: flop_events.append((kind, i, counter.total))):
+            it.reset()
+            with counter:
+                train_step(model, inputs, loss_fn, where="profile")
+            flop_events.append(("end", 0, counter.total))
+        it.optimizer_step()
+        held = it.warm_up(warmup - 1)
+        # NOTE [ Op-level policy costs ]: every op of each block's forward (one forward, no backward),
+        # after the warm-up: on memory a step has touched before, as in training (first, it timed GELU
+        # and LayerNorm at 3x their time in a step, on freshly faulted pages).
+        block_ops = profile_ops(model, inputs, loss_fn, block_list, rounds=1) if ops else ()
 
         # Memory: every allocation of one iteration, with the boundaries as markers, and when each
         # parameter gradient is first allocated (NOTE [ Gradients in the backward ]).
@@ -272,7 +328,8 @@ def profile(
             bool(block_ops) and not tracked.edits_input[i] and _selective_ok(b, tracked.stateful[i], block_ops[i])
             for i, b in enumerate(block_list)
         ]
-        configs = _timing_configs(block_list, chain=chain, selective=selective, editing=tracked.edits_input[:n])
+        configs = _timing_configs(block_list, selective=selective, editing=tracked.edits_input[:n])
+        call_ms = _call_ms(dev)
         members = resolve(model, block_list)
         runs: dict[str, list[list[tuple[str, int, int]]]] = {name: [] for name in configs}
         step_ms: list[float] = []
@@ -284,15 +341,6 @@ def profile(
                 runs[name].append(events)
                 if name == "plain":
                     step_ms.append((events[-1][2] - events[0][2]) / 1e6)
-
-        # FLOPs, in an iteration of their own.
-        flop_events: list[tuple[str, int, int]] = []
-        counter = _FlopCount()
-        with probe(model, block_list, lambda kind, i: flop_events.append((kind, i, counter.total))):
-            it.reset()
-            with counter:
-                train_step(model, inputs, loss_fn)
-            flop_events.append(("end", 0, counter.total))
 
     prof = _assemble(
         model,
@@ -308,6 +356,7 @@ def profile(
         grad_events,
         selective,
         _stop_share(block_ops, n),
+        call_ms,
     )
     prof = replace(prof, loop=it.loop, block_ops=block_ops, late_inputs=_late_inputs(trace, tracked, n))
     gap_freed = _gap_freed_inputs(trace, tracked, n)
@@ -379,7 +428,7 @@ def _pinned(
         depth[0] -= 1
 
     def pack(t: torch.Tensor) -> torch.Tensor | None:
-        return None if depth[0] else t
+        return None if depth[0] else t.detach()  # NOTE [ Saved outputs make cycles ] in remat.core.probe
 
     def unpack(t: Any) -> Any:
         if t is None:  # the loss differentiates through the blocks itself
@@ -669,6 +718,7 @@ def _assemble(
     grad_events: list[tuple[int, int]],
     selective: Sequence[bool],
     stop_share: Sequence[float],
+    call_ms: float,
 ) -> Profile:
     marks = {name: ts[0] for name, ts in trace.mark_times().items()}
     # The backward ends where the optimizer's step starts (or the iteration ends).
@@ -697,14 +747,8 @@ def _assemble(
     def fl(a: tuple[str, int], b: tuple[str, int]) -> int:
         return max(0, flops.get(b, flops.get(("end", 0), 0)) - flops.get(a, 0))
 
-    step_of = {name: median([(t[("end", 0)] - t[("start", 0)]) / 1e6 for t in ts]) for name, ts in timings.items()}
     # The per-op profile runs under a dispatch mode: its shares, not its times, apply to the plain forward.
     stop_ms = [share * ms((Event.FORWARD, i), (Event.FORWARD_END, i)) for i, share in enumerate(stop_share)]
-    call_ms = 0.0
-    if "segment" in step_of and n >= 2:
-        # NOTE [ Measured checkpoint costs ]: every block ends its own replay in "full" (skipping its
-        # stop_ms), only the last one under one checkpoint.
-        call_ms = max(0.0, (step_of["full"] - step_of["segment"] + sum(stop_ms[: n - 1])) / (n - 1))
 
     # A block whose output needs no gradient (frozen, LoRA-style) has no backward: a zero-length
     # one where the next block's backward ends (or the backward ends).
