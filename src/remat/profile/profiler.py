@@ -56,11 +56,10 @@ log = logging.getLogger(__name__)
 # with every block checkpointed and one with all under one checkpoint, which cost a step, came out 0
 # on B's split blocks (the step difference was within the noise) and was not timed for models that are
 # not chains, so a segment of k blocks was charged k calls: B's split plans predicted +12-15% for +7%).
-# A replay ends as soon
-# as the last tensor the forward saved is saved again (torch's early stop): the ops of a block after
-# its last saved tensor (a closing Linear's matmul: autograd saves its inputs before it runs) do not
-# run again when the block ends a replay, and do when the replay goes on into the next block. The per-op
-# profile gives their share of the block's forward (``stop_ms``); "full" ends every block's replay
+# A replay ends as soon as the last tensor the forward saved is saved again (torch's early stop): the
+# ops of a block after its last saved tensor (a closing Linear's matmul: autograd saves its inputs
+# before it runs) do not run again when the block ends a replay, and do when the replay goes on into
+# the next block. The per-op profile gives their share of the block's forward (``stop_ms``); "full" ends every block's replay
 # early, so ``ckpt_fwd_ms`` adds ``stop_ms`` back (a whole no-save forward and replay) and the
 # chain model takes it off once per replay, for the segment's last block. A sub-module
 # variant (attention / FFN checkpointed) costs its measured forward once more plus one call.
