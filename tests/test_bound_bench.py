@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import random
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bound.py"
+from tests.benchmark_scripts import load
 
 
 @pytest.fixture(scope="module")
 def bound() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bound_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load("bound")
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -6,24 +6,16 @@ own ``--small`` run covers them.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py"
+from tests.benchmark_scripts import load
 
 
 @pytest.fixture(scope="module")
 def peers() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("peers_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load("peers")
 
 
 @pytest.mark.parametrize("name", ["A", "B", "gpt2"])
