@@ -612,7 +612,7 @@ def test_parameters_or_arguments_changed_before_the_backward_are_refused() -> No
     for block in blocks:
         h = block(h, ctx)
         ctx.bias.mul_(0.5)  # the next block reads the edited bias; the replay of this one would too
-    with pytest.raises(RematError, match=r"argument of module '2' \(Ctx\) was changed after the call"):
+    with pytest.raises(RematError, match=r"argument of module '2' \(Ctx\) was changed by the call or after it"):
         h.sum().backward()
 
 
@@ -834,3 +834,93 @@ def test_torch_func_transforms_and_lazy_modules_are_refused_clearly() -> None:
     lazy(x)
     remat.apply(lazy, remat.full())
     assert remat.check_gradients(lazy, remat.full(), x, lambda y: y.sum()).equal
+
+
+class _NoisyInTraining(nn.Module):
+    """Saves the same tensors in both modes: only the values differ (noise added in training)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return torch.tanh(y + 0.5 * torch.randn_like(y) * float(self.training))
+
+
+def test_a_replay_runs_in_the_train_eval_mode_of_its_forward() -> None:
+    # Before, eval() between the forward and the backward replayed the block in eval mode: other
+    # gradients, silently (the saved tensors had the same shapes).
+    torch.manual_seed(0)
+    model = nn.Sequential(_NoisyInTraining(), _NoisyInTraining(), _NoisyInTraining())
+    x, x2 = torch.randn(4, 8), torch.randn(4, 8)
+
+    def grads(m: nn.Module, second_call_in_eval: bool) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        m.train()
+        loss = m(x).square().sum()
+        m.eval()
+        if second_call_in_eval:
+            loss = loss + m(x2).square().sum()
+        loss.backward()
+        m.train()
+        out = [p.grad.clone() for p in m.parameters() if p.grad is not None]
+        m.zero_grad(set_to_none=True)
+        return out
+
+    for second in (False, True):
+        plain = grads(copy.deepcopy(model), second)
+        for plan in (remat.full(), remat.segments(2)):
+            m = copy.deepcopy(model)
+            remat.apply(m, plan)
+            assert all(torch.equal(a, b) for a, b in zip(plain, grads(m, second), strict=True)), (plan, second)
+            assert all(sub.training for sub in m.modules())
+
+
+class _Layer:
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+
+
+class FakeCache:
+    """Like HF's DynamicCache: a list of layer objects whose keys each layer call extends."""
+
+    def __init__(self, n: int) -> None:
+        self.layers = [_Layer() for _ in range(n)]
+
+
+class _Appends(nn.Module):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, cache: FakeCache) -> torch.Tensor:
+        layer = cache.layers[self.index]
+        k = self.fc(x)
+        layer.keys = k if layer.keys is None else torch.cat([layer.keys, k])
+        return torch.tanh(layer.keys[-x.shape[0] :])
+
+
+class _CacheModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Appends(i) for i in range(3))
+
+    def forward(self, x: torch.Tensor, cache: FakeCache) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, cache)
+        return x
+
+
+def test_an_argument_object_the_block_changes_is_refused_not_changed_again() -> None:
+    # NOTE [ Arguments changed before the replay ]: a replay appended the keys again to the cache the
+    # model returned (an HF DynamicCache under use_cache=True: its layer objects were not looked into).
+    torch.manual_seed(0)
+    model = _CacheModel()
+    remat.apply(model, remat.full())
+    cache = FakeCache(3)
+    out = model(torch.randn(4, 8), cache)
+    with pytest.raises(RematError, match=r"\(FakeCache\) was changed by the call or after it.*use_cache=False"):
+        out.sum().backward()
+    assert all(layer.keys is not None and layer.keys.shape[0] == 4 for layer in cache.layers)

@@ -451,3 +451,43 @@ def test_plans_on_blocks_that_do_not_save_their_input_hold_their_prediction(mode
             )
             checked += 1
     assert checked >= 6
+
+
+class _EditsInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x).mul_(2.0))  # addmm#0's output, edited by mul_#0
+
+
+def test_a_policy_caching_an_op_edited_in_place_later_is_a_remat_error_and_an_in_place_op_is_refused() -> None:
+    # Plans from remat.plan never do either; hand-written ones reached torch's raw errors.
+    from remat.core.ops import Keep, RecomputeOps
+    from remat.plan.types import Plan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_EditsInPlace(), _EditsInPlace())
+    x = torch.randn(4, 16)
+    blocks = tuple(remat.blocks(model))
+    cached = Plan(strategy="by hand", blocks=blocks, ops=(RecomputeOps(0, save=("addmm#0",)), Keep(1)))
+    m = copy.deepcopy(model)
+    remat.apply(m, cached)
+    with pytest.raises(RematError, match="edits in place, which torch's selective checkpoint refuses"):
+        m(x).sum().backward()
+    in_place = Plan(strategy="by hand", blocks=blocks, ops=(RecomputeOps(0, save=("mul_#0",)), Keep(1)))
+    with pytest.raises(RematError, match=r"caches the in-place op\(s\) \['mul_#0'\]"):
+        remat.apply(copy.deepcopy(model), in_place)
+
+
+def test_a_policy_block_under_a_torch_func_transform_is_refused_clearly() -> None:
+    model = _policy_model()
+    x = torch.randn(8, 32)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (x,)).square().mean()
+
+    with pytest.raises(RematError, match="runs under a torch.func transform"):
+        torch.func.grad(loss)(params)

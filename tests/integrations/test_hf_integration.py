@@ -158,3 +158,23 @@ def test_docs_example_runs(index: int, tmp_path: Path, monkeypatch: pytest.Monke
     # in a namespace of its own and a scratch directory, as a user's script would run.
     monkeypatch.chdir(tmp_path)
     exec(compile(_examples()[index], f"{DOCS.name}, example {index}", "exec"), {"__name__": "__main__"})
+
+
+def test_a_kv_cache_built_in_training_is_refused_by_apply_and_turned_off_by_enable() -> None:
+    # LlamaConfig's default use_cache=True builds a DynamicCache in a training forward; each replay
+    # appended its layer's keys to it again (gradients equal, the returned cache 2x long), silently.
+    model = _model("llama", lora=False)
+    model.config.use_cache = True
+    remat.apply(model, remat.full())
+    out = model(**_batch())
+    length = out.past_key_values.get_seq_length()
+    with pytest.raises(RematError, match=r"\(DynamicCache\) was changed by the call.*use_cache=False"):
+        out.loss.backward()
+    assert out.past_key_values.get_seq_length() == length == SEQ
+    remat.remove(model)
+    plain = run_step(Case(_model("llama", lora=False), _batch(), _loss))
+    model = _model("llama", lora=False)
+    model.config.use_cache = True
+    hf.enable(model, _batch(), budget="40%", repeats=1)
+    assert model.config.use_cache is False
+    assert compare_steps(plain, run_step(Case(model, _batch(), _loss))) == []

@@ -281,21 +281,88 @@ def _attrs_as(recorded: tuple[tuple[nn.Module, str, Any], ...]) -> Iterator[None
                 sub.__dict__[name] = value
 
 
-def _snapshot(obj: Any) -> tuple[dict[str, Any], list[tuple[torch.Tensor, int]]] | None:
-    # A shallow snapshot of a mutable argument: its attributes, and the versions of the tensors among
-    # them (and in their lists, tuples and dicts): an in-place edit before the backward changes the
-    # replay's input as surely as a new attribute value.
-    if isinstance(obj, _PRIMITIVES) or isinstance(obj, (nn.Module, type)) or callable(obj):
+class _Snapshot:
+    """What a mutable argument holds when a block is called (NOTE [ Arguments changed before the replay ])."""
+
+    __slots__ = ("attrs", "tensors", "containers", "nested")
+
+    def __init__(self, attrs: dict[str, Any]) -> None:
+        self.attrs = attrs
+        self.tensors: list[tuple[torch.Tensor, int]] = []
+        self.containers: list[tuple[Any, list[Any]]] = []  # a list or dict, and the items it held
+        self.nested: list[tuple[Any, _Snapshot]] = []
+
+    def same(self, value: Any) -> bool:
+        try:
+            now = vars(value)
+        except TypeError:
+            return True
+        return (
+            now.keys() == self.attrs.keys()
+            and all(now[k] is v for k, v in self.attrs.items())
+            and all(t._version == version for t, version in self.tensors)
+            and all(
+                len(c) == len(held) and all(a is b for a, b in zip(_contents(c), held)) for c, held in self.containers
+            )
+            and all(snap.same(obj) for obj, snap in self.nested)
+        )
+
+
+# NOTE [ Arguments changed before the replay ]
+# A replay calls a block again with the objects it was called with (a state object, a KV cache).
+# If one of them changed since the call, by other code or by the block itself (an HF DynamicCache
+# the layer appends its keys to: the replay would append them again, to the cache the model returned),
+# the replay would compute with other inputs or change the object once more. A snapshot taken at the
+# call holds the identity of each attribute, the version of each tensor among them, the items of
+# each list or dict among them, and, two levels down, the same of the objects they hold (a cache's
+# layer objects); the replay checks it and refuses with a RematError when anything differs.
+_SNAPSHOT_DEPTH = 2
+_SNAPSHOT_ITEMS = 256  # items of a list or dict looked into (all are compared by identity)
+
+
+_CHANGED = "an attribute set, an item added, or a tensor in it edited in place"
+
+
+def _cache_hint(value: Any) -> str:
+    name = type(value).__name__
+    return "; a KV cache: train with use_cache=False, as HF's own checkpointing does" if "Cache" in name else ""
+
+
+def _contents(container: Any) -> list[Any]:
+    return list(container.values()) if isinstance(container, dict) else list(container)
+
+
+def _snapshot(obj: Any, depth: int = _SNAPSHOT_DEPTH) -> _Snapshot | None:
+    # A snapshot of a mutable argument (NOTE [ Arguments changed before the replay ]).
+    if isinstance(obj, _PRIMITIVES) or isinstance(obj, (nn.Module, type, torch.Tensor)) or callable(obj):
         return None
     try:
         attrs = dict(vars(obj))
     except TypeError:
         return None
-    tensors = []
+    snap = _Snapshot(attrs)
     for value in attrs.values():
-        inner = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
-        tensors += [(t, t._version) for t in inner if isinstance(t, torch.Tensor)]
-    return attrs, tensors
+        _note(value, depth, snap, 0)
+    return snap
+
+
+def _note(value: Any, depth: int, snap: _Snapshot, nesting: int) -> None:
+    if isinstance(value, torch.Tensor):
+        snap.tensors.append((value, value._version))
+    elif isinstance(value, (list, dict)):
+        items = _contents(value)
+        snap.containers.append((value, items))
+        if nesting < 2:
+            for item in items[:_SNAPSHOT_ITEMS]:
+                _note(item, depth, snap, nesting + 1)
+    elif isinstance(value, tuple):
+        if nesting < 2:
+            for item in value[:_SNAPSHOT_ITEMS]:
+                _note(item, depth, snap, nesting + 1)
+    elif depth > 0:
+        inner = _snapshot(value, depth - 1)
+        if inner is not None:
+            snap.nested.append((value, inner))
 
 
 @dataclass(eq=False)
@@ -434,6 +501,10 @@ class _Call:
     params: tuple[tuple[nn.Module, str, torch.Tensor, int, int], ...] = ()  # (owner, name, tensor, version, address)
     attrs: tuple[tuple[nn.Module, str, Any], ...] = ()  # (module, name, value before the call) of _Role.attrs
     py_rng: tuple[Any, Any] | None = None  # Python's and numpy's global RNG states, if the call drew from them
+    # (module, "training", flag) of the member and its sub-modules at the call: a replay runs in the mode
+    # the forward ran in, whatever train()/eval() was called since (a block whose modes save the same
+    # tensors, noise added in training only, was replayed in the other mode, silently).
+    modes: tuple[tuple[nn.Module, str, bool], ...] = ()
 
 
 class _Frame:
@@ -489,7 +560,10 @@ class _Frame:
             saver = _SaveInputs.apply(dummy, *external)
         if self.calls and self.end_rng is not None and rng.cpu is not None and _digest(rng.cpu) == self.end_rng:
             rng = _RngState(None, rng.cuda, rng.generators)
-        self.calls.append(_Call(module, role, spec, slots, saver, rng, _autocast_state(), state, inner, _flags()))
+        modes = tuple((m, "training", m.training) for m in module.modules())
+        self.calls.append(
+            _Call(module, role, spec, slots, saver, rng, _autocast_state(), state, inner, _flags(), modes=modes)
+        )
         return len(self.calls) - 1
 
     def record_output(self, index: int, out: Any) -> None:
@@ -604,12 +678,12 @@ class _Frame:
                 leaves.append(fresh[slot[1]])
             else:
                 value, snap = slot[1], slot[2]
-                if snap is not None and not _same_snapshot(snap, value):
+                if snap is not None and not snap.same(value):
                     raise RematError(
-                        f"apply: an argument of module {call.role.name!r} ({type(value).__name__}) was changed after the "
-                        "call and before the backward (an attribute set, or a tensor in it edited in place), so its "
-                        "recomputation would differ; pass a fresh object per call, or keep this block (a plan that "
-                        "does not recompute it)"
+                        f"apply: an argument of module {call.role.name!r} ({type(value).__name__}) was changed by the "
+                        f"call or after it, before the backward ({_CHANGED}), so its recomputation would differ or "
+                        "change it again; pass a fresh object per call, or keep this block (a plan that does not "
+                        f"recompute it){_cache_hint(value)}"
                     )
                 leaves.append(value)
         args, kwargs = tree_unflatten(leaves, call.spec)
@@ -654,19 +728,6 @@ def _replay_pack(frame_ref: weakref.ref[_Frame], gid: int) -> Callable[[torch.Te
     return pack
 
 
-def _same_snapshot(snap: tuple[dict[str, Any], list[tuple[torch.Tensor, int]]], value: Any) -> bool:
-    attrs, tensors = snap
-    try:
-        now = vars(value)
-    except TypeError:
-        return True
-    return (
-        now.keys() == attrs.keys()
-        and all(now[k] is v for k, v in attrs.items())
-        and all(t._version == version for t, version in tensors)
-    )
-
-
 def _py_states() -> tuple[Any, Any]:
     """Python's and (if imported) numpy's global RNG states: a member may draw from them too."""
     np = sys.modules.get("numpy")
@@ -709,7 +770,7 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             for dev, enabled, dtype in call.autocast:
                 stack.enter_context(torch.autocast(dev, enabled=enabled, dtype=dtype))
             stack.enter_context(_flags_as(call.flags))
-            stack.enter_context(_attrs_as(call.attrs))
+            stack.enter_context(_attrs_as(call.modes + call.attrs))
             return _invoke(module, role, call.inner, args, kwargs, replay=True)
     finally:
         with torch.no_grad():
@@ -962,12 +1023,12 @@ def _guarded_recompute(
                     seen.append((leaf, snap))
             return forward(*args, **kwargs)
         for leaf, then in seen:
-            if not _same_snapshot(then, leaf):
+            if not then.same(leaf):
                 raise RematError(
                     f"apply: an argument of module {role.name!r} ({type(leaf).__name__}), which runs under an op-level "
-                    "policy (RecomputeOps), was changed after the call and before the backward (an attribute set, or "
-                    "a tensor in it edited in place), so its recomputation would differ; pass a fresh object per "
-                    "call, or keep this block or recompute it whole"
+                    f"policy (RecomputeOps), was changed by the call or after it, before the backward ({_CHANGED}), "
+                    "so its recomputation would differ or change it again; pass a fresh object per call, or keep "
+                    f"this block or recompute it whole{_cache_hint(leaf)}"
                 )
         flipped = [type(m).__name__ for m, training in modes if m.training != training]
         flipped += [f"a parameter's requires_grad ({tuple(p.shape)})" for p, rg in grads if p.requires_grad != rg]
@@ -982,6 +1043,13 @@ def _guarded_recompute(
             with _flags_as(flags), _attrs_as(_attrs_changed(attrs) if learning else attrs):
                 return forward(*args, **kwargs)
         except RuntimeError as e:
+            if "has been mutated" in str(e):
+                raise RematError(
+                    f"apply: module {role.name!r} runs under an op-level policy (RecomputeOps) that caches an op "
+                    "whose output a later op of the block edits in place, which torch's selective checkpoint "
+                    f"refuses ({str(e).splitlines()[0]}); recompute that op instead (remat.plan never caches "
+                    "one), or keep this block"
+                ) from e
             if not any(marker in str(e) for marker in _SAC_ERRORS):
                 raise
             raise RematError(
@@ -995,9 +1063,19 @@ def _guarded_recompute(
     return call
 
 
+def _refuse_functorch(role: _Role) -> None:
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        raise RematError(
+            f"apply: module {role.name!r} runs under a torch.func transform (grad, vjp, vmap, jacrev), which "
+            "saved-tensor hooks and so checkpointing do not support; remat.remove(model) before the transform, "
+            "or differentiate with torch.autograd"
+        )
+
+
 def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A block under an op-level policy (NOTE [ Op-level policies ] in ``remat.core.selective``)."""
     assert role.policy is not None
+    _refuse_functorch(role)
     if role.learned and role.learned_training != module.training:
         role.learned = False  # NOTE [ State under recomputation ]: a mode change learns again
     buffers = [(name, b, b._version) for name, b in module.named_buffers()]
@@ -1063,12 +1141,7 @@ def _invoke(
 ) -> Any:
     if not spans or not torch.is_grad_enabled():
         return _run(module, role, args, kwargs, replay)
-    if torch._C._functorch.peek_interpreter_stack() is not None:
-        raise RematError(
-            f"apply: module {role.name!r} runs under a torch.func transform (grad, vjp, vmap, jacrev), which "
-            "saved-tensor hooks and so checkpointing do not support; remat.remove(model) before the transform, "
-            "or differentiate with torch.autograd"
-        )
+    _refuse_functorch(role)
     if role.learned and role.learned_training != module.training:
         role.learned = False  # NOTE [ State under recomputation ]: a mode change learns again
     leaves = tree_leaves((args, kwargs))
@@ -1212,6 +1285,15 @@ def _assign(
                 raise RematError(
                     f"apply: {op!r} puts an op-level policy on block {op.index} ({', '.join(names[op.index])}), a "
                     "group of modules; op-level policies apply to single-module blocks (op keys count per forward)"
+                )
+            in_place = sorted(k for k in op.save if k.rpartition("#")[0].endswith("_"))
+            if in_place:
+                # NOTE [ Selective recompute semantics ]: the caller may ignore an in-place op's return value
+                # and read the recomputed tensor it was meant to mutate (torch refuses the mutated cache entry).
+                raise RematError(
+                    f"apply: {op!r} caches the in-place op(s) {in_place} of block {op.index} ({names[op.index][0]}); "
+                    "an in-place op cannot be cached (its result lives in a tensor the recomputation makes "
+                    "again); cache the op that made that tensor or recompute it (plans from remat.plan never do this)"
                 )
             module = members[op.index][0]
             roles.setdefault(id(module), (module, names[op.index][0], []))

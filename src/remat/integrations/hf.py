@@ -68,7 +68,8 @@ def enable(
     The ``gradient_checkpointing_enable()`` of remat: instead of checkpointing every layer, the
     fastest plan whose predicted peak fits the budget (``remat.profile``, ``remat.plan``,
     ``remat.apply``). The profile runs in training mode (dropout on, as the Trainer trains) and leaves
-    the model as it was. Under a ``torch.distributed`` process group every rank must call it, and all
+    the model as it was. Like ``gradient_checkpointing_enable()``, it sets ``model.config.use_cache``
+    to ``False`` (a KV cache built in a training forward would be appended to again by the replays). Under a ``torch.distributed`` process group every rank must call it, and all
     apply rank 0's plan (NOTE [ One plan for every rank ] in ``remat.plan.ranks``). A
     ``DistributedDataParallel`` wrapper's ``.module`` is profiled, so that its gradient buckets are not
     counted as activations (NOTE [ Wrapped models ]).
@@ -111,6 +112,16 @@ def enable(
             f"hf.enable: sample_batch is a {type(sample_batch).__name__}; give the model's keyword arguments "
             "for one step as a mapping (a collated batch: input_ids, attention_mask, labels ...)"
         )
+    config: Any = getattr(inner, "config", None)
+    if config is not None and getattr(config, "use_cache", False) and sample_batch.get("use_cache") is None:
+        # A KV cache built in a training forward: the layers append to it, and a replay would append again
+        # (NOTE [ Arguments changed before the replay ] in remat.core.runtime refuses it). HF's own
+        # gradient_checkpointing_enable() sets it off for training too.
+        log.warning(
+            "hf.enable: setting model.config.use_cache=False (a KV cache is not used in training; remat's "
+            "recomputation would append to it again)"
+        )
+        config.use_cache = False
     device = device_of(inner, None)
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in sample_batch.items()}
     modes = [(m, m.training) for m in inner.modules()]
