@@ -924,3 +924,27 @@ def test_an_argument_object_the_block_changes_is_refused_not_changed_again() -> 
     with pytest.raises(RematError, match=r"\(FakeCache\) was changed by the call or after it.*use_cache=False"):
         out.sum().backward()
     assert all(layer.keys is not None and layer.keys.shape[0] == 4 for layer in cache.layers)
+
+
+class _InPlaceResidual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Tanh(), nn.Linear(8, 8)) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 1.0
+        for layer in self.layers:
+            h.add_(layer(h))  # the layer's input, edited after it ran (its tanh saves only its output)
+        return h
+
+
+def test_an_input_edited_in_place_after_the_call_is_a_remat_error() -> None:
+    # The plain model trains; a replay would compute with the edited input: it was torch's raw
+    # "modified by an inplace operation" error, naming no block.
+    torch.manual_seed(0)
+    model = _InPlaceResidual()
+    x = torch.randn(4, 8)
+    model(x).square().mean().backward()
+    remat.apply(model, remat.full())
+    with pytest.raises(RematError, match=r"an input of module 'layers.2' was edited in place after the call"):
+        model(x).square().mean().backward()

@@ -665,7 +665,19 @@ class _Frame:
 
     def _arguments(self, call: _Call, outs: dict[int, list[Any]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         node: Any = call.saver.grad_fn if call.saver is not None else None
-        external = node.saved_tensors if node is not None else ()  # unpacking runs the hooks around it
+        try:
+            external = node.saved_tensors if node is not None else ()  # unpacking runs the hooks around it
+        except RuntimeError as e:
+            if "modified by an inplace operation" not in str(e):
+                raise
+            # The input's version moved since the call (h.add_(layer(h)): the block's input edited in place
+            # after it ran); the plain model's backward does not need it, the replay does.
+            raise RematError(
+                f"apply: an input of module {call.role.name!r} was edited in place after the call and before the "
+                f"backward (an in-place residual such as h.add_(layer(h))), so its recomputation would see other "
+                "values; write h = h + layer(h), or keep this block (a plan that does not recompute it) "
+                f"({str(e).splitlines()[0][:120]})"
+            ) from e
         leaves: list[Any] = []
         fresh: dict[int, torch.Tensor] = {}
         for slot in call.slots:
