@@ -948,3 +948,28 @@ def test_an_input_edited_in_place_after_the_call_is_a_remat_error() -> None:
     remat.apply(model, remat.full())
     with pytest.raises(RematError, match=r"an input of module 'layers.2' was edited in place after the call"):
         model(x).square().mean().backward()
+
+
+def test_a_parameter_frozen_between_forward_and_backward_is_replayed_as_it_was() -> None:
+    # Frozen in the replay, the block's ops saved other tensors than its forward: a RematError that
+    # blamed "Python state"; torch's AccumulateGrad skips the frozen parameter, as in the plain model.
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)))
+    x = torch.randn(4, 8)
+
+    def grads(m: nn.Module) -> list[torch.Tensor | None]:
+        loss = m(x).square().sum()
+        m[1][0].weight.requires_grad_(False)
+        loss.backward()
+        m[1][0].weight.requires_grad_(True)
+        return [None if p.grad is None else p.grad.clone() for p in m.parameters()]
+
+    plain = grads(copy.deepcopy(model))
+    assert plain[2] is None  # the frozen weight got no gradient
+    for plan in (remat.full(), remat.segments(2)):
+        m = copy.deepcopy(model)
+        remat.apply(m, plan)
+        got = grads(m)
+        assert [g is None for g in got] == [g is None for g in plain], plan
+        assert all(a is None or torch.equal(a, b) for a, b in zip(plain, got, strict=True)), plan
+        assert all(p.requires_grad for p in m.parameters())

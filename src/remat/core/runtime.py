@@ -281,6 +281,19 @@ def _attrs_as(recorded: tuple[tuple[nn.Module, str, Any], ...]) -> Iterator[None
                 sub.__dict__[name] = value
 
 
+@contextlib.contextmanager
+def _requires_grad_as(recorded: tuple[tuple[torch.Tensor, bool], ...]) -> Iterator[None]:
+    """Sets the parameters' ``requires_grad`` to the recorded flags for a replay, and back after."""
+    changed = [(p, p.requires_grad) for p, flag in recorded if p.requires_grad != flag and p.is_leaf]
+    for p, now in changed:
+        p.requires_grad_(not now)
+    try:
+        yield
+    finally:
+        for p, now in changed:
+            p.requires_grad_(now)
+
+
 class _Snapshot:
     """What a mutable argument holds when a block is called (NOTE [ Arguments changed before the replay ])."""
 
@@ -505,6 +518,10 @@ class _Call:
     # the forward ran in, whatever train()/eval() was called since (a block whose modes save the same
     # tensors, noise added in training only, was replayed in the other mode, silently).
     modes: tuple[tuple[nn.Module, str, bool], ...] = ()
+    # (parameter, requires_grad) at the call: a parameter frozen between the forward and the backward is
+    # replayed as it was (torch's AccumulateGrad then skips it, as in the plain backward); frozen in the
+    # replay, its ops would save other tensors than the forward's.
+    grads: tuple[tuple[torch.Tensor, bool], ...] = ()
 
 
 class _Frame:
@@ -561,8 +578,22 @@ class _Frame:
         if self.calls and self.end_rng is not None and rng.cpu is not None and _digest(rng.cpu) == self.end_rng:
             rng = _RngState(None, rng.cuda, rng.generators)
         modes = tuple((m, "training", m.training) for m in module.modules())
+        grads = tuple((p, p.requires_grad) for p in module.parameters())
         self.calls.append(
-            _Call(module, role, spec, slots, saver, rng, _autocast_state(), state, inner, _flags(), modes=modes)
+            _Call(
+                module,
+                role,
+                spec,
+                slots,
+                saver,
+                rng,
+                _autocast_state(),
+                state,
+                inner,
+                _flags(),
+                modes=modes,
+                grads=grads,
+            )
         )
         return len(self.calls) - 1
 
@@ -783,6 +814,7 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
                 stack.enter_context(torch.autocast(dev, enabled=enabled, dtype=dtype))
             stack.enter_context(_flags_as(call.flags))
             stack.enter_context(_attrs_as(call.modes + call.attrs))
+            stack.enter_context(_requires_grad_as(call.grads))
             return _invoke(module, role, call.inner, args, kwargs, replay=True)
     finally:
         with torch.no_grad():
