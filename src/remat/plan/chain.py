@@ -53,7 +53,12 @@ that free against what the gap allocates, and under a segment the free never hap
 holds its first block's input; a later block's input was made inside and dropped with it), while the
 allocation does: GPT-NeoX's ``a = drop(attn(h))`` frees the attention output as ``x + a`` is made for
 the sum after the MLP, a gap of 0, and a checkpoint over the dropout measured 8 KiB (``x + a``) above
-its prediction without ``gf``.
+its prediction without ``gf``. And for q before ``b-1``, ``gfo[q]`` (``gap_freed_output_bytes``): what
+of block q's own output its gap frees (the next block does not take it: ``l(x, x)`` split into ``fc``
+and ``g``, where ``tanh(fc(x))`` saves its result and drops ``fc``'s output, a gap of 0): the segment
+charges that output nothing (made inside, dropped with it), so the gap's allocation is held whole,
+``max(g[q] + gf[q] + gfo[q], 0)`` (``_freed_output_held``; without it, split plans over such layers
+measured up to 1.315x their prediction and budget).
 
 Memory is simulated (``remat.plan.simulate``) with a level ``L`` starting at ``base_bytes``:
   forward   Keep(k):            peak L + fp[k];  L += S'[k]
@@ -171,6 +176,10 @@ class Chain:
             ``gap_bytes`` nets against what the gap allocates; a segment over the block holds
             ``max(0, gap_bytes + gap_freed_input_bytes)`` of the gap (default 0;
             ``BlockProfile.gap_freed_input_bytes``).
+        gap_freed_output_bytes: Bytes of each block's own outputs that the gap after it frees (the next block
+            does not take them); a segment going on past the block never charged them, so it holds
+            ``max(0, gap_bytes + gap_freed_input_bytes + gap_freed_output_bytes)`` of that gap (default 0;
+            ``BlockProfile.gap_freed_output_bytes``).
         released_bytes: The part of each block's negative gap that is none of the inputs a segment ending
             with it holds: freed under the segment too (default 0; see :func:`_released`).
         pending_grad_bytes: Bytes of activation gradients pending when each block's backward starts (the
@@ -216,6 +225,7 @@ class Chain:
     generator_state_bytes: tuple[int, ...] = ()
     freed_input_bytes: tuple[int, ...] = ()
     gap_freed_input_bytes: tuple[int, ...] = ()
+    gap_freed_output_bytes: tuple[int, ...] = ()
     released_bytes: tuple[int, ...] = ()
     pending_grad_bytes: tuple[int, ...] = ()
     rng_copy_bytes: tuple[int, ...] = ()
@@ -246,6 +256,7 @@ class Chain:
             "stop_ms",
             "freed_input_bytes",
             "gap_freed_input_bytes",
+            "gap_freed_output_bytes",
             "released_bytes",
             "pending_grad_bytes",
             "rng_copy_bytes",
@@ -274,7 +285,11 @@ class Chain:
             + int(self.generator_state_bytes[q])
             for q in range(n + 1)
         ]
-        before_last = [int(self.pinned_out_bytes[q]) + int(self.reused_bytes[q]) for q in range(n + 1)]
+        # A block before a segment's last whose own output the gap after it frees: see _freed_output_held.
+        before_last = [
+            int(self.pinned_out_bytes[q]) + int(self.reused_bytes[q]) + (_freed_output_held(self, q) if q < n else 0)
+            for q in range(n + 1)
+        ]
         object.__setattr__(self, "_n", n)
         object.__setattr__(self, "_inside", tuple(itertools.accumulate(inside, initial=0)))
         object.__setattr__(self, "_before_last", tuple(itertools.accumulate(before_last, initial=0)))
@@ -382,6 +397,20 @@ class Chain:
             + self.late_replay_bytes(start, stop)
             - min(at_last, int(self.freed_input_bytes[last]))
         )
+
+
+def _freed_output_held(chain: Chain, q: int) -> int:
+    """What a segment going on past block ``q`` holds of the gap after it beyond ``max(0, g + gf)``, bytes
+    (``gap_freed_output_bytes``). The gap nets the free of block ``q``'s own output (the next block does not
+    take it: ``l(x, x)`` split into ``fc`` and ``g``, where the model's ``tanh(fc(x))`` saves its result and
+    drops ``fc``'s output) against what it allocates, while the segment charges that output nothing already
+    (made inside, dropped with it): it holds ``max(0, g + gf + gfo)``. Less what ``un[q + 1]`` already holds of
+    the gap's allocations (``x + stage(x)`` frees ``stage``'s output as it makes the next block's input,
+    charged as unlinked); never below ``max(0, g + gf)`` (the last block's output is ``x[stop]``, charged
+    whole, so this applies to the blocks before it only)."""
+    net = int(chain.gap_bytes[q]) + int(chain.gap_freed_input_bytes[q])
+    gfo = int(chain.gap_freed_output_bytes[q])
+    return max(0, max(0, net + gfo) - max(0, net) - min(gfo, int(chain.unlinked_bytes[q + 1])))
 
 
 def _late_tables(
@@ -507,6 +536,7 @@ def chain_of(profile: Profile) -> Chain:
         generator_state_bytes=tuple(b.generator_state_bytes for b in bps) + (0,),
         freed_input_bytes=_freed_inputs(profile) + (0,),
         gap_freed_input_bytes=tuple(b.gap_freed_input_bytes for b in bps) + (0,),
+        gap_freed_output_bytes=tuple(b.gap_freed_output_bytes for b in bps) + (0,),
         released_bytes=_released(profile, joinable) + (0,),
         pending_grad_bytes=tuple(b.pending_grad_bytes for b in bps) + (0,),
         rng_copy_bytes=tuple(profile.ckpt_state_bytes if b.fresh_rng else 0 for b in bps) + (0,),

@@ -38,6 +38,7 @@ from remat.core.trace import (
 from remat.core.wrapped import unwrap
 from remat.errors import BlockSelectionError, RematError
 from remat.profile.ops import EXTERNAL, BlockOps, profile_ops
+from remat.profile.twins import pool_twins, twin_groups
 from remat.profile.types import BlockProfile, LateInput, Profile, SubProfile
 
 __all__ = ["profile"]
@@ -359,11 +360,13 @@ def profile(
     )
     prof = replace(prof, loop=it.loop, block_ops=block_ops, late_inputs=_late_inputs(trace, tracked, n))
     gap_freed = _gap_freed_inputs(trace, tracked, n)
+    gap_freed_out = _gap_freed_outputs(trace, tracked, n)
     bps = tuple(
         replace(
             bp,
             gap_bytes=gaps[i],
             gap_freed_input_bytes=gap_freed[i],
+            gap_freed_output_bytes=gap_freed_out[i],
             pinned_bytes=pinned[i][0],
             pinned_out_bytes=pinned[i][1],
             reused_bytes=reused[i],
@@ -374,7 +377,9 @@ def profile(
         )
         for i, bp in enumerate(prof.block_profiles)
     )
-    return replace(prof, block_profiles=bps, is_chain=chain)
+    prof = replace(prof, block_profiles=bps, is_chain=chain)
+    # NOTE [ Twin blocks ]: blocks doing the same work share the medians of their times.
+    return pool_twins(prof, twin_groups(members, prof))
 
 
 # NOTE [ What stays alive anyway ]
@@ -537,6 +542,35 @@ def _gap_freed_inputs(trace: MemoryTrace, tracked: Probe, n: int) -> list[int]:
                 continue  # made between blocks: unsaved_input_bytes holds it for a segment starting here
             span = next((lt for lt in lives.get(ptr, ()) if lt[0] <= start < lt[1]), None)
             if span is not None and end < span[1] <= after:
+                out[i] += size
+    return out
+
+
+def _gap_freed_outputs(trace: MemoryTrace, tracked: Probe, n: int) -> list[int]:
+    """Per block, the bytes of its own outputs that the code after it frees before the next block starts
+    (``BlockProfile.gap_freed_output_bytes``; 0 for the last block, whose gap is the head's).
+
+    Never the next block's input (it is alive when that block starts), so 0 along an ordinary chain. Where the
+    next block does not take it (``l(x, x)`` split into ``fc`` and ``g``: ``g`` takes ``x``, and the model's
+    ``tanh(fc(x))``, which saves its result, frees ``fc``'s output), ``gap_bytes`` nets its free against what
+    the gap allocates, while a segment going on past the block charges that output nothing already (made
+    inside, dropped with it): it holds ``gap_bytes + gap_freed_output_bytes`` of the gap (NOTE [ Chain cost
+    model ]).
+    """
+    marks = {name: ts[0] for name, ts in trace.mark_times().items()}
+    lives = trace.lifetimes()
+    out = [0] * n
+    for i in range(n - 1):
+        start = marks.get(f"{Event.FORWARD}{i}")
+        end = marks.get(f"{Event.FORWARD_END}{i}")
+        after = marks.get(f"{Event.FORWARD}{i + 1}")
+        if start is None or end is None or after is None:
+            continue
+        for ptr, size in tracked.outputs[i].items():
+            if ptr in tracked.inputs[i]:
+                continue  # passed through: not its own output
+            span = next((lt for lt in lives.get(ptr, ()) if start <= lt[0] <= end < lt[1]), None)
+            if span is not None and span[1] <= after:
                 out[i] += size
     return out
 

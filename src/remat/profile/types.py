@@ -113,6 +113,9 @@ class BlockProfile:
             that code allocates (GPT-NeoX's ``x + a``, made as the attention output is dropped): a segment
             over the block never frees them there (it holds its first block's input, and never had a later
             block's), so it holds ``gap_bytes + gap_freed_input_bytes`` of the gap's allocations.
+        gap_freed_output_bytes: Bytes of its own outputs that the code after it frees before the next block
+            starts (by allocation lifetimes; 0 for the last block, and where the next block takes them): a
+            segment going on past the block never held them, so it holds that much more of the gap.
         pinned_bytes: Bytes allocated in its forward, its outputs excluded, that stay alive when
             autograd saves nothing inside the blocks (held by the model or a hook), bytes.
         pinned_out_bytes: Bytes of its outputs that stay alive when autograd saves nothing inside blocks
@@ -181,6 +184,7 @@ class BlockProfile:
     selective_ms: float | None = None
     pending_grad_bytes: int = 0
     gap_freed_input_bytes: int = 0
+    gap_freed_output_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.own_output_bytes < 0:  # profiles written before the field existed
