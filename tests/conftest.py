@@ -13,12 +13,17 @@ import remat
 from remat.models import Workload, workload
 
 
-class Counted(nn.Module):
-    """A residual MLP block that counts how often its forward runs (recomputation included).
+class Tally:
+    """A count in an object of its own: a replay sets a block's plain attributes (ints, and lists of them)
+    back to their values at the call (NOTE [ State under recomputation ]), not an object's attributes."""
 
-    The count lives in a list: a replay sets a block's plain int attributes back to their values at the
-    call (NOTE [ State under recomputation ]), so an int would count the plain model's calls only.
-    """
+    def __init__(self) -> None:
+        self.n = 0
+
+
+class Counted(nn.Module):
+    """A residual MLP block that counts how often its forward runs (recomputation included, in a
+    :class:`Tally`: an int would count the plain model's calls only)."""
 
     def __init__(self, d: int, p: float = 0.1) -> None:
         super().__init__()
@@ -26,18 +31,18 @@ class Counted(nn.Module):
         self.act = nn.GELU()
         self.drop = nn.Dropout(p)
         self.fc2 = nn.Linear(2 * d, d)
-        self.runs = [0]
+        self.runs = Tally()
 
     @property
     def calls(self) -> int:
-        return self.runs[0]
+        return self.runs.n
 
     @calls.setter
     def calls(self, value: int) -> None:
-        self.runs[0] = value
+        self.runs.n = value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.runs[0] += 1
+        self.runs.n += 1
         return x + self.fc2(self.drop(self.act(self.fc1(x))))
 
 

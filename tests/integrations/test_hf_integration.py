@@ -178,3 +178,42 @@ def test_a_kv_cache_built_in_training_is_refused_by_apply_and_turned_off_by_enab
     hf.enable(model, _batch(), budget="40%", repeats=1)
     assert model.config.use_cache is False
     assert compare_steps(plain, run_step(Case(model, _batch(), _loss))) == []
+
+
+def test_lora_adapters_switched_between_two_forwards_before_one_backward_train_bitwise() -> None:
+    # peft's set_adapter replaces the LoRA layers' list of active adapter names; before, each replay read
+    # the names set since its call: gradients 0.064 off under full() and segments(2), silently (helper-38).
+    def build() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        cfg = LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            use_cache=False,
+        )
+        lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+        model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(**lora), adapter_name="a")
+        model.add_adapter("b", LoraConfig(**lora))
+        ids = torch.randint(0, 128, (4, 16))
+        return model, {"input_ids": ids, "labels": ids.clone()}
+
+    def step(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        losses = []
+        for name in ("a", "b"):
+            model.base_model.set_adapter(name)  # makes only that adapter's parameters trainable
+            for n, p in model.named_parameters():
+                p.requires_grad_("lora_" in n)
+            losses.append(model(**batch).loss)
+        (losses[0] + 0.5 * losses[1]).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = step(*build())
+    for plan in (remat.full(), remat.segments(2)):
+        model, batch = build()
+        remat.apply(model, plan)
+        got = step(model, batch)
+        assert got.keys() == plain.keys() and all(torch.equal(got[k], plain[k]) for k in plain), plan

@@ -10,6 +10,8 @@ import remat
 from remat.errors import RematError
 from remat.measure import Measurement
 
+from ..conftest import Tally
+
 
 class SinChain(nn.Module):
     """h0 = x * w, then L sin() steps: each sin keeps its input (N floats) for the backward."""
@@ -61,17 +63,18 @@ def test_measure_leaves_model_as_it_was_and_round_trips() -> None:
 class Drifting(nn.Module):
     """Its output depends on how often it ran: a recomputation sees different values.
 
-    The count is in a list, which remat does not see (a plain int attribute it sets back for a replay).
+    The count is in an object, which remat does not see (a plain int attribute, or a list of them, it
+    sets back for a replay).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
-        self.runs = [0]
+        self.runs = Tally()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.runs[0] += 1
-        return torch.tanh(self.lin(x) * self.runs[0])
+        self.runs.n += 1
+        return torch.tanh(self.lin(x) * self.runs.n)
 
 
 def test_check_gradients_detects_a_recomputation_that_differs() -> None:
@@ -90,11 +93,11 @@ class PerStep(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
-        self.calls = [0]  # a list: remat does not see it (a plain int it would set back for a replay)
+        self.calls = Tally()  # remat does not see it (a plain int it would set back for a replay)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls[0] += 1
-        return torch.tanh(self.lin(x) * self.calls[0])
+        self.calls.n += 1
+        return torch.tanh(self.lin(x) * self.calls.n)
 
 
 class Reseeding(nn.Module):
@@ -120,7 +123,7 @@ def test_check_gradients_tells_a_model_that_differs_from_itself() -> None:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for b in self.blocks:
-                b.calls[0] = 0
+                b.calls.n = 0
             return self.blocks(x)
 
     model = Resets()

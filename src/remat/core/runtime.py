@@ -58,11 +58,16 @@ current value back afterwards (also when the replay stops early). So state ends 
 plain model and the replay computes with the values the forward saw. This is scoped to the member's
 own modules and to the thread doing the replay: no global hooks. Buffers other than BatchNorm's make
 a member *stateful*: ``apply`` refuses to recompute it unless ``allow_stateful=True``. Plain Python
-attributes of its modules (ints, floats, strings, None: a call counter, a step a schedule reads) that
-the learning call changes are recorded per call the same way (``_Role.attrs``): a replay sets their
-values at the call and the current ones back afterwards, so it neither counts again nor computes with
-a later value. Attributes it first changes on a later call, attributes changed by other code between
-the call and the backward, globals and mutable containers are not seen. A member that edits one of its tensor
+attributes of its modules (ints, floats, strings, None, and small lists, tuples, sets and dicts of them:
+a call counter, a step a schedule reads, ``Dropout.p``, peft's active adapter names) are recorded per
+call (``_Call.modes``, with ``training``; lists as copies) and a replay sets their values at the call and
+the current ones back afterwards, so it neither counts again nor computes with a later value: other code
+setting one between the forward and the backward (``dropout.p = 0.5``, ``set_adapter`` between two
+forwards before one backward) changed the replay's values, silently. So are the hooks its sub-modules
+and the global hook dicts hold (``_Call.hooks``): a hook registered only around the forward, or added
+or removed before the backward, is put as it was for the replay (its own hooks never run again; its
+sub-modules' do, as under torch's checkpoint, so a hook with side effects sees the replay too).
+Globals, objects' attributes and tensors other code changes are not seen. A member that edits one of its tensor
 arguments in place is refused (its replay would edit it again). On the learning call a refusal puts
 back every buffer, argument and the RNG state first.
 Random draws follow the same scheme. The default generators' states are recorded per call (above):
@@ -279,6 +284,89 @@ def _attrs_as(recorded: tuple[tuple[nn.Module, str, Any], ...]) -> Iterator[None
                 sub.__dict__.pop(name, None)
             else:
                 sub.__dict__[name] = value
+
+
+# nn.Module's own bookkeeping (hook dicts, registries): never a plain attribute a forward reads.
+_MODULE_INTERNALS = frozenset(vars(nn.Module()).keys()) - {"training"}
+
+
+_CONTAINERS = (list, tuple, set, frozenset)
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is a plain value a replay sets back: a primitive, or a small list, tuple, set or dict
+    of primitives (peft's active adapter names)."""
+    if isinstance(value, _PRIMITIVES):
+        return True
+    if isinstance(value, _CONTAINERS) and len(value) <= 64:
+        return all(isinstance(v, _PRIMITIVES) for v in value)
+    if isinstance(value, dict) and len(value) <= 64:
+        return all(isinstance(k, _PRIMITIVES) and isinstance(v, _PRIMITIVES) for k, v in value.items())
+    return False
+
+
+def _plain_attrs(module: nn.Module) -> tuple[tuple[nn.Module, str, Any], ...]:
+    """Every plain attribute of ``module``'s modules (``training`` included) with its value at the call, for
+    the replay (NOTE [ State under recomputation ]); mutable containers as copies (an in-place edit after
+    the call would reach a reference)."""
+    out: list[tuple[nn.Module, str, Any]] = []
+    for sub in module.modules():
+        for name, value in sub.__dict__.items():
+            if name in _MODULE_INTERNALS:
+                continue
+            if isinstance(value, _PRIMITIVES):
+                out.append((sub, name, value))
+            elif isinstance(value, (*_CONTAINERS, dict)) and _plain(value):
+                out.append((sub, name, value.copy() if isinstance(value, (list, set, dict)) else value))
+    return tuple(out)
+
+
+# The hook dicts of a module and the global ones that Module.__call__ reads (NOTE [ State under recomputation ]).
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+_GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, f"_global{name}", None) for name in _HOOK_DICTS)
+
+
+def _hook_dicts(module: nn.Module) -> list[dict[Any, Any]]:
+    """The hook dicts a replay of ``module`` reads: its sub-modules' (its own hooks do not run again) and the
+    global ones."""
+    out = [d for d in _GLOBAL_HOOKS if isinstance(d, dict)]
+    for sub in itertools.islice(module.modules(), 1, None):
+        own = sub.__dict__
+        out += [own[name] for name in _HOOK_DICTS if name in own]
+    return out
+
+
+def _hooks_at(module: nn.Module) -> tuple[tuple[dict[Any, Any], tuple[Any, ...]], ...]:
+    """The hooks registered at the call, as (dict, items) for each hook dict that holds any."""
+    return tuple((d, tuple(d.items())) for d in _hook_dicts(module) if d)
+
+
+@contextlib.contextmanager
+def _hooks_as(module: nn.Module, recorded: tuple[tuple[dict[Any, Any], tuple[Any, ...]], ...]) -> Iterator[None]:
+    """Puts the hooks registered at the call back for a replay (one added or removed since would change
+    what the replay computes), and the current ones back after."""
+    if _hooks_at(module) == recorded:
+        yield
+        return
+    then = {id(d): items for d, items in recorded}
+    now = [(d, tuple(d.items())) for d in _hook_dicts(module)]
+    for d, _ in now:
+        d.clear()
+        d.update(then.get(id(d), ()))
+    try:
+        yield
+    finally:
+        for d, items in now:
+            d.clear()
+            d.update(items)
 
 
 @contextlib.contextmanager
@@ -517,7 +605,10 @@ class _Call:
     # (module, "training", flag) of the member and its sub-modules at the call: a replay runs in the mode
     # the forward ran in, whatever train()/eval() was called since (a block whose modes save the same
     # tensors, noise added in training only, was replayed in the other mode, silently).
-    modes: tuple[tuple[nn.Module, str, bool], ...] = ()
+    modes: tuple[tuple[nn.Module, str, Any], ...] = ()
+    # The hooks of its sub-modules and the global ones at the call (a hook added or removed between the
+    # forward and the backward, or between two calls, changed the replay's values, silently).
+    hooks: tuple[tuple[dict[Any, Any], tuple[Any, ...]], ...] = ()
     # (parameter, requires_grad) at the call: a parameter frozen between the forward and the backward is
     # replayed as it was (torch's AccumulateGrad then skips it, as in the plain backward); frozen in the
     # replay, its ops would save other tensors than the forward's.
@@ -577,7 +668,7 @@ class _Frame:
             saver = _SaveInputs.apply(dummy, *external)
         if self.calls and self.end_rng is not None and rng.cpu is not None and _digest(rng.cpu) == self.end_rng:
             rng = _RngState(None, rng.cuda, rng.generators)
-        modes = tuple((m, "training", m.training) for m in module.modules())
+        modes = _plain_attrs(module)
         grads = tuple((p, p.requires_grad) for p in module.parameters())
         self.calls.append(
             _Call(
@@ -592,6 +683,7 @@ class _Frame:
                 inner,
                 _flags(),
                 modes=modes,
+                hooks=_hooks_at(module),
                 grads=grads,
             )
         )
@@ -814,6 +906,7 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
                 stack.enter_context(torch.autocast(dev, enabled=enabled, dtype=dtype))
             stack.enter_context(_flags_as(call.flags))
             stack.enter_context(_attrs_as(call.modes + call.attrs))
+            stack.enter_context(_hooks_as(module, call.hooks))
             stack.enter_context(_requires_grad_as(call.grads))
             return _invoke(module, role, call.inner, args, kwargs, replay=True)
     finally:
@@ -1051,6 +1144,8 @@ def _guarded_recompute(
     learning = not role.learned  # ``attrs`` holds every plain attribute: set back those changed since
     modes = [(m, m.training) for m in module.modules()]
     grads = [(p, p.requires_grad) for p in module.parameters()]
+    plain = tuple(a for a in _plain_attrs(module) if a[1] != "training")  # at the call
+    hooks = _hooks_at(module)
     runs = 0
 
     seen: list[tuple[Any, Any]] = []  # (object, snapshot) per non-tensor argument leaf
@@ -1084,7 +1179,11 @@ def _guarded_recompute(
                 "recompute it whole"
             )
         try:
-            with _flags_as(flags), _attrs_as(_attrs_changed(attrs) if learning else attrs):
+            with (
+                _flags_as(flags),
+                _attrs_as(plain + (_attrs_changed(attrs) if learning else attrs)),
+                _hooks_as(module, hooks),
+            ):
                 return forward(*args, **kwargs)
         except RuntimeError as e:
             if "has been mutated" in str(e):

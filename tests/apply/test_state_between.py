@@ -1,0 +1,136 @@
+"""Attributes and hooks that user code changes between a forward and its backward, or between two forwards
+before one backward: a replay runs with those of its call (NOTE [ State under recomputation ])."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_hook
+
+import remat
+from remat.core.ops import Keep, RecomputeOps
+from remat.plan.types import Plan
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.drop, self.fc2 = nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 16)
+        self.scale = 1.0
+        self.active = ["a"]  # like peft's active adapter names: a list a forward reads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.act(self.fc1(x)))
+        if "b" in self.active:
+            h = h * 0.5
+        return x + self.scale * self.fc2(h)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(_Layer(), _Layer(), _Layer(), nn.Linear(16, 1))
+
+
+def _policy(model: nn.Module) -> Plan:
+    ops = (RecomputeOps(0, save=("addmm#0",), recompute=("gelu#0",)), Keep(1), RecomputeOps(2, save=(), recompute=()))
+    return Plan(strategy="by hand", blocks=tuple(remat.blocks(model, types=_Layer)), ops=ops)
+
+
+def _set_p(m: nn.Module) -> None:
+    m[0].drop.p = 0.5
+
+
+def _set_approximate(m: nn.Module) -> None:
+    for layer in m[:3]:
+        layer.act.approximate = "tanh"
+
+
+def _set_scale(m: nn.Module) -> None:
+    m[1].scale = 3.0
+
+
+def _edit_list(m: nn.Module) -> None:
+    m[2].active.append("b")  # in place: the call's value must have been copied
+
+
+def _add_hook(m: nn.Module) -> None:
+    for layer in m[:3]:
+        layer.fc1.register_forward_hook(lambda mod, args, out: out * 1.25)
+
+
+CHANGES: dict[str, Callable[[nn.Module], None]] = {
+    "dropout p": _set_p,
+    "GELU approximate": _set_approximate,
+    "a float of the block": _set_scale,
+    "a list edited in place": _edit_list,
+    "a sub-module hook added": _add_hook,
+}
+
+
+def _grads(model: nn.Module, change: Callable[[nn.Module], None], twice: bool) -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    x = torch.randn(8, 16)
+    loss = model(x).square().mean()
+    change(model)
+    if twice:  # a second forward with the changed state, then one backward through both
+        loss = loss + model(x).square().mean()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("twice", [False, True], ids=["forward-backward", "two forwards"])
+@pytest.mark.parametrize("change", list(CHANGES), ids=str)
+@pytest.mark.parametrize("how", ["full", "segments(2)", "policy"])
+def test_a_change_after_the_call_does_not_reach_its_replay(how: str, change: str, twice: bool) -> None:
+    # Before, every one of these gave other gradients, silently (helper-38: dropout p 0.064, peft's
+    # set_adapter between two forwards 0.064, a hook added before the backward 0.017).
+    base = _model()
+    plain = _grads(copy.deepcopy(base), CHANGES[change], twice)
+    model = copy.deepcopy(base)
+    plan = {"full": remat.full(), "segments(2)": remat.segments(2), "policy": _policy(model)}[how]
+    remat.apply(model, plan)
+    got = _grads(model, CHANGES[change], twice)
+    assert all(torch.equal(a, b) for a, b in zip(plain, got, strict=True))
+
+
+@pytest.mark.parametrize("how", ["full", "policy"])
+def test_a_global_hook_around_the_forward_only_runs_in_its_replay(how: str) -> None:
+    def grads(model: nn.Module) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        handle = register_module_forward_hook(lambda mod, args, out: out * 1.25 if isinstance(mod, nn.Linear) else None)
+        try:
+            loss = model(torch.randn(8, 16)).square().mean()
+        finally:
+            handle.remove()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    base = _model()
+    plain = grads(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    remat.apply(model, remat.full() if how == "full" else _policy(model))
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads(model), strict=True))
+    assert not torch.nn.modules.module._global_forward_hooks  # and it stays removed
+
+
+def test_a_hook_removed_before_the_backward_runs_in_the_replay_and_stays_removed() -> None:
+    base = _model()
+
+    def grads(model: nn.Module) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        handles = [layer.fc1.register_forward_hook(lambda mod, args, out: out + 1.0) for layer in model[:3]]
+        loss = model(torch.randn(8, 16)).square().mean()
+        for h in handles:
+            h.remove()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = grads(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    remat.apply(model, remat.full())
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads(model), strict=True))
+    assert not any(layer.fc1._forward_hooks for layer in model[:3])
