@@ -7,9 +7,11 @@ import torch
 from torch import nn
 
 import remat
+from remat.core.ops import Keep, Recompute
 from remat.errors import BlockSelectionError, RematError
 from remat.models import Workload
 from remat.plan.chain import chain_of
+from remat.plan.planner import plan_from_ops
 from remat.plan.solver import simulate
 from remat.profile import Profile
 
@@ -362,3 +364,47 @@ def test_profiling_leaves_no_graph_of_its_runs_alive() -> None:
     assert prof.block_ops and len(refs) > 4  # the per-op profile's forwards ran
     alive = [r() for r in refs if r() is not None]
     assert not alive, f"{len(alive)} of {len(refs)} outputs of the profile's runs are still alive"
+
+
+class _SplitMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+@pytest.mark.parametrize("hook", ["forward_new", "forward_none", "forward_in_place", "backward_pre"])
+def test_a_member_hook_that_hands_the_next_member_another_tensor_unlinks_the_boundary(hook: str) -> None:
+    # NOTE [ Links are what the forward sees ] in remat.core.probe: the runtime links a member's argument
+    # to the previous member's output as the forwards see them. A forward hook returning a new tensor (or
+    # editing the output), or the wrapping of a module's arguments for its full backward hooks, hands the
+    # next member an external argument that a segment across the boundary holds: a split MLP's smallest
+    # plan measured 1.3x its budget while the profile called the boundary linked.
+    def build() -> tuple[nn.Module, torch.Tensor]:
+        torch.manual_seed(0)
+        model = _SplitMLP()
+        if hook == "forward_new":
+            model.act.register_forward_hook(lambda m, a, out: out + 0.1)
+        elif hook == "forward_none":
+            model.act.register_forward_hook(lambda m, a, out: None)
+        elif hook == "forward_in_place":
+            model.act.register_forward_hook(lambda m, a, out: (out.mul_(2.0), None)[1])
+        else:
+            model.fc2.register_full_backward_pre_hook(lambda m, go: (go[0] * 2.0,))
+        return model, torch.randn(64, 32, requires_grad=True)
+
+    model, x = build()
+    blocks = remat.blocks(model, include=["fc1", "act", "fc2"])
+    prof = remat.profile(model, x, lambda out: out.sum(), blocks=blocks, repeats=1, progress=False)
+    boundary = prof.block_profiles[2]
+    if hook == "forward_none":
+        assert boundary.linked and boundary.unlinked_bytes == 0
+    else:
+        assert not boundary.linked and boundary.unlinked_bytes == 64 * 64 * 4
+    plan = plan_from_ops(prof, (Keep(0), Recompute(1, 3, (Keep(1), Keep(2)))), "by hand")
+    model, x = build()
+    remat.apply(model, plan)
+    measured = remat.measure(model, x, lambda out: out.sum(), steps=1, progress=False).peak_bytes
+    assert measured <= simulate(chain_of(prof), plan.ops).peak_bytes

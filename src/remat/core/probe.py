@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules.module import _global_backward_hooks, _global_backward_pre_hooks
 from torch.utils._pytree import tree_leaves
 
 from remat.blocks import Block, resolve
@@ -76,6 +77,21 @@ def _storage_refs(obj: Any, exclude: set[int]) -> dict[int, weakref.ref[torch.Un
     return {ptr: weakref.ref(st) for ptr, st in _live_storages(obj, exclude)}
 
 
+def _wrapped_args(module: nn.Module, args: tuple[Any, ...]) -> set[int]:
+    """Ids of the positional tensor arguments that torch hands ``module``'s forward as new tensors, for
+    its full backward (pre-)hooks (``BackwardHook.setup_input_hook``; NOTE [ Links are what the forward
+    sees ])."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not tensors or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        return set()
+    try:
+        full = module._get_backward_hooks()[0] if module._backward_hooks or _global_backward_hooks else []
+        pre = module._get_backward_pre_hooks() if module._backward_pre_hooks or _global_backward_pre_hooks else []
+    except (AttributeError, RuntimeError):  # another torch: assume wrapped where any backward hook is set
+        full = pre = list(module._backward_hooks.values()) + list(module._backward_pre_hooks.values())
+    return {id(t) for t in tensors} if full or pre else set()
+
+
 def _plain_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     # Buffers other than the running statistics of norms, which remat restores around recomputation.
     for prefix, sub in module.named_modules():
@@ -116,6 +132,9 @@ class Probe:
         self.unlinked = [0] * n  # bytes of the inputs that made a block not linked
         self._unlinked_storages: list[dict[int, int]] = [{} for _ in range(n)]  # their storages: ptr -> bytes
         self._prev_outs: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        # Each block's outputs as its last module's forward returned them, before the model's forward
+        # hooks (NOTE [ Links are what the forward sees ]): block index -> (tensor, version) pairs.
+        self._raw_outs: dict[int, list[tuple[weakref.ref[torch.Tensor], int]]] = {}
         # Storages (pointer -> weak reference, see _storage_refs) of the previous block's inputs, of every
         # block input and output so far, and of those seen before the previous block started.
         self._prev_inputs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
@@ -190,9 +209,12 @@ class Probe:
             if self._active and self._active[-1] == slot:
                 self._active.pop()
             if kind is Event.FORWARD_END:
-                self._prev_outs = [
-                    (weakref.ref(t), t._version) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
-                ]
+                raw = self._raw_outs.pop(index, None)
+                self._prev_outs = (
+                    raw
+                    if raw is not None
+                    else [(weakref.ref(t), t._version) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+                )
                 if self.track:
                     self._seen.update(_storage_refs(out, self.params))
                 for t in tree_leaves(out):
@@ -206,16 +228,35 @@ class Probe:
 
         return hook
 
+    def _raw(self, index: int) -> Callable[..., None]:
+        def hook(_mod: nn.Module, _args: Any, out: Any) -> None:
+            self._raw_outs[index] = [
+                (weakref.ref(t), t._version) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+            ]
+
+        return hook
+
     def _link(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # Block k's inputs are linked if each is one of block k-1's outputs, unchanged, or a tensor
         # whose storage existed before block k-1 started (a mask, rotary tables, a bias an earlier
         # block made): a segment across the boundary then holds nothing that is not held anyway.
+        # NOTE [ Links are what the forward sees ]: the runtime links a member's argument to an earlier
+        # member's output by identity and version, both as the forwards see them (NOTE [ Spans ] in
+        # ``remat.core.runtime``), not as the module hooks do: a forward hook that returns a new tensor
+        # (``o * 1.0``) or edits the output, or torch's wrapping of a module's arguments and outputs for
+        # its full backward (pre-)hooks, makes the tensor the next member gets an external argument,
+        # which a segment across the boundary holds (16 KiB per such boundary under-predicted, 1.3x the
+        # budget on a split MLP, without this). So outputs are taken before the model's forward hooks
+        # (``_raw``) and arguments the backward hooks wrap are never the previous block's outputs.
         ok = True
         if index:
             allowed = self._seen_before_prev | self._prev_inputs
             outs = {id(r()): v for r, v in self._prev_outs if r() is not None}
+            wrapped = _wrapped_args(self.members[index][0], args)
             for t in tree_leaves((args, kwargs)):
-                if not isinstance(t, torch.Tensor) or (id(t) in outs and outs[id(t)] == t._version):
+                if not isinstance(t, torch.Tensor) or (
+                    id(t) in outs and outs[id(t)] == t._version and id(t) not in wrapped
+                ):
                     continue
                 try:
                     st = t.untyped_storage()
@@ -292,6 +333,11 @@ class Probe:
     @contextlib.contextmanager
     def installed(self) -> Iterator[Probe]:
         n = len(self.members)
+        if self.track:
+            # First of all forward hooks: the output as the forward returned it (NOTE [ Links are what
+            # the forward sees ]).
+            for i, mods in enumerate(self.members):
+                self.handles.append(mods[-1].register_forward_hook(self._raw(i), prepend=True))
         for i, mods in enumerate(self.members):
             self.handles.append(mods[0].register_forward_pre_hook(self._pre(i, Event.FORWARD, i), with_kwargs=True))
             self.handles.append(mods[-1].register_forward_hook(self._post(i, Event.FORWARD_END, i), with_kwargs=True))
@@ -317,6 +363,7 @@ class Probe:
                 yield self
         finally:
             self._prev_outs = []
+            self._raw_outs.clear()
             self._arg_versions.clear()
             self._buffers_before.clear()
             for h in (*self.handles, *self.tensor_handles):
