@@ -184,26 +184,17 @@ def test_lora_adapters_switched_between_two_forwards_before_one_backward_train_b
     # peft's set_adapter replaces the LoRA layers' list of active adapter names; before, each replay read
     # the names set since its call: gradients 0.064 off under full() and segments(2), silently (helper-38).
     def build() -> tuple[nn.Module, dict[str, torch.Tensor]]:
-        torch.manual_seed(0)
-        cfg = LlamaConfig(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            use_cache=False,
-        )
-        lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
-        model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(**lora), adapter_name="a")
-        model.add_adapter("b", LoraConfig(**lora))
-        ids = torch.randint(0, 128, (4, 16))
-        return model, {"input_ids": ids, "labels": ids.clone()}
+        model = _model("llama", lora=True)  # its adapter is "default"
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(2)
+            targets = ["q_proj", "v_proj", "up_proj"]
+            model.add_adapter("b", LoraConfig(r=4, target_modules=targets, lora_dropout=P, init_lora_weights=False))
+        return model, _batch()
 
     def step(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        torch.manual_seed(1)  # the same dropout draws in both runs
         losses = []
-        for name in ("a", "b"):
+        for name in ("default", "b"):
             model.base_model.set_adapter(name)  # makes only that adapter's parameters trainable
             for n, p in model.named_parameters():
                 p.requires_grad_("lora_" in n)

@@ -519,6 +519,21 @@ def _pinned(
     return [(a, b, c) for a, b, c in result]
 
 
+def _gaps_of(
+    trace: MemoryTrace, n: int
+) -> Iterator[tuple[int, tuple[int, int, int], dict[int, list[tuple[int, int]]]]]:
+    """Per block but the last, ``(i, (its forward's start, its end, the next block's start), lifetimes)``
+    (the trace's allocation lifetimes by pointer), where all three marks were recorded."""
+    marks = {name: ts[0] for name, ts in trace.mark_times().items()}
+    lives = trace.lifetimes()
+    for i in range(n - 1):
+        start = marks.get(f"{Event.FORWARD}{i}")
+        end = marks.get(f"{Event.FORWARD_END}{i}")
+        after = marks.get(f"{Event.FORWARD}{i + 1}")
+        if start is not None and end is not None and after is not None:
+            yield i, (start, end, after), lives
+
+
 def _gap_freed_inputs(trace: MemoryTrace, tracked: Probe, n: int) -> list[int]:
     """Per block, the bytes of its inputs that the code after it frees before the next block starts
     (``BlockProfile.gap_freed_input_bytes``; 0 for the last block, whose gap is the head's).
@@ -528,15 +543,8 @@ def _gap_freed_inputs(trace: MemoryTrace, tracked: Probe, n: int) -> list[int]:
     the sum after the MLP), while a segment over the block holds its input or never had it, and holds
     what the gap allocates (NOTE [ Chain cost model ]).
     """
-    marks = {name: ts[0] for name, ts in trace.mark_times().items()}
-    lives = trace.lifetimes()
     out = [0] * n
-    for i in range(n - 1):
-        start = marks.get(f"{Event.FORWARD}{i}")
-        end = marks.get(f"{Event.FORWARD_END}{i}")
-        after = marks.get(f"{Event.FORWARD}{i + 1}")
-        if start is None or end is None or after is None:
-            continue
+    for i, (start, end, after), lives in _gaps_of(trace, n):
         for ptr, size in tracked.inputs[i].items():
             if ptr in tracked._unlinked_storages[i]:
                 continue  # made between blocks: unsaved_input_bytes holds it for a segment starting here
@@ -557,15 +565,8 @@ def _gap_freed_outputs(trace: MemoryTrace, tracked: Probe, n: int) -> list[int]:
     inside, dropped with it): it holds ``gap_bytes + gap_freed_output_bytes`` of the gap (NOTE [ Chain cost
     model ]).
     """
-    marks = {name: ts[0] for name, ts in trace.mark_times().items()}
-    lives = trace.lifetimes()
     out = [0] * n
-    for i in range(n - 1):
-        start = marks.get(f"{Event.FORWARD}{i}")
-        end = marks.get(f"{Event.FORWARD_END}{i}")
-        after = marks.get(f"{Event.FORWARD}{i + 1}")
-        if start is None or end is None or after is None:
-            continue
+    for i, (start, end, after), lives in _gaps_of(trace, n):
         for ptr, size in tracked.outputs[i].items():
             if ptr in tracked.inputs[i]:
                 continue  # passed through: not its own output
