@@ -190,12 +190,15 @@ class _Role:
     # The plain attributes (ints, floats, strings ...) of its modules that its first call changed: a call
     # counter, a step read by a schedule (NOTE [ State under recomputation ]).
     attrs: tuple[tuple[nn.Module, str], ...] = ()
+    # Where its modules' plain attributes are, (sub-module, name), found on its first call: each call
+    # records their values there (_plain_attrs), a few microseconds instead of a walk over every attribute.
+    plain_names: tuple[tuple[nn.Module, str], ...] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         # Learned again after loading.
         state["learned"], state["stateful"], state["norms"], state["generators"] = False, frozenset(), None, ()
-        state["param_slots"], state["py_rng"], state["attrs"] = None, False, ()
+        state["param_slots"], state["py_rng"], state["attrs"], state["plain_names"] = None, False, (), None
         return state
 
 
@@ -275,7 +278,10 @@ def _attrs_as(recorded: tuple[tuple[nn.Module, str, Any], ...]) -> Iterator[None
     """Sets attributes to their recorded values for a replay, and puts the current ones back after."""
     now = [(sub, name, sub.__dict__.get(name, _MISSING)) for sub, name, _ in recorded]
     for sub, name, value in recorded:
-        sub.__dict__[name] = value
+        if value is _MISSING:
+            sub.__dict__.pop(name, None)
+        else:
+            sub.__dict__[name] = value
     try:
         yield
     finally:
@@ -305,19 +311,29 @@ def _plain(value: Any) -> bool:
     return False
 
 
-def _plain_attrs(module: nn.Module) -> tuple[tuple[nn.Module, str, Any], ...]:
+def _plain_attrs(module: nn.Module, role: _Role | None) -> tuple[tuple[nn.Module, str, Any], ...]:
     """Every plain attribute of ``module``'s modules (``training`` included) with its value at the call, for
     the replay (NOTE [ State under recomputation ]); mutable containers as copies (an in-place edit after
-    the call would reach a reference)."""
+    the call would reach a reference). Where they are is found once per role (``_Role.plain_names``): an
+    attribute first set after the module's first call is not seen."""
+    if role is None or role.plain_names is None or not role.learned:  # a learning call finds them again
+        names = tuple(
+            (sub, name)
+            for sub in module.modules()
+            for name, value in sub.__dict__.items()
+            if name not in _MODULE_INTERNALS and _plain(value)
+        )
+        if role is not None:
+            role.plain_names = names
+    else:
+        names = role.plain_names
     out: list[tuple[nn.Module, str, Any]] = []
-    for sub in module.modules():
-        for name, value in sub.__dict__.items():
-            if name in _MODULE_INTERNALS:
-                continue
-            if isinstance(value, _PRIMITIVES):
-                out.append((sub, name, value))
-            elif isinstance(value, (*_CONTAINERS, dict)) and _plain(value):
-                out.append((sub, name, value.copy() if isinstance(value, (list, set, dict)) else value))
+    for sub, name in names:
+        value = sub.__dict__.get(name, _MISSING)
+        if value is _MISSING or isinstance(value, _PRIMITIVES):
+            out.append((sub, name, value))
+        elif _plain(value):  # not a container of tensors (it would keep them alive per call)
+            out.append((sub, name, value.copy() if isinstance(value, (list, set, dict)) else value))
     return tuple(out)
 
 
@@ -668,7 +684,7 @@ class _Frame:
             saver = _SaveInputs.apply(dummy, *external)
         if self.calls and self.end_rng is not None and rng.cpu is not None and _digest(rng.cpu) == self.end_rng:
             rng = _RngState(None, rng.cuda, rng.generators)
-        modes = _plain_attrs(module)
+        modes = _plain_attrs(module, role)
         grads = tuple((p, p.requires_grad) for p in module.parameters())
         self.calls.append(
             _Call(
@@ -1144,7 +1160,7 @@ def _guarded_recompute(
     learning = not role.learned  # ``attrs`` holds every plain attribute: set back those changed since
     modes = [(m, m.training) for m in module.modules()]
     grads = [(p, p.requires_grad) for p in module.parameters()]
-    plain = tuple(a for a in _plain_attrs(module) if a[1] != "training")  # at the call
+    plain = tuple(a for a in _plain_attrs(module, role) if a[1] != "training")  # at the call
     hooks = _hooks_at(module)
     runs = 0
 
