@@ -66,7 +66,8 @@ setting one between the forward and the backward (``dropout.p = 0.5``, ``set_ada
 forwards before one backward) changed the replay's values, silently. So are the hooks its sub-modules
 and the global hook dicts hold (``_Call.hooks``): a hook registered only around the forward, or added
 or removed before the backward, is put as it was for the replay (its own hooks never run again; its
-sub-modules' do, as under torch's checkpoint, so a hook with side effects sees the replay too).
+sub-modules' do, as under torch's checkpoint, so a hook with side effects sees the replay too, one
+removed since included: a feature collector closed after the forward is called in the backward).
 Globals, objects' attributes and tensors other code changes are not seen. A member that edits one of its tensor
 arguments in place is refused (its replay would edit it again). On the learning call a refusal puts
 back every buffer, argument and the RNG state first.
