@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 import remat
+from remat.blocks import resolve
 from remat.core.ops import Keep, Recompute
+from remat.core.runtime import install, uninstall
 from remat.errors import PlanMismatchError, RematError
 from remat.models import Workload, workload
 from remat.plan.strategies import STRATEGIES, bench_strategies
@@ -973,3 +975,30 @@ def test_a_parameter_frozen_between_forward_and_backward_is_replayed_as_it_was()
         assert [g is None for g in got] == [g is None for g in plain], plan
         assert all(a is None or torch.equal(a, b) for a, b in zip(plain, got, strict=True)), plan
         assert all(p.requires_grad for p in m.parameters())
+
+
+def test_roles_installed_again_keep_what_their_first_call_learned() -> None:
+    # NOTE [ Learning calls are not timed ]: the profile installs each configuration once per timed
+    # iteration; with reuse, only the first iteration's calls learn, and every one trains exactly.
+    torch.manual_seed(0)
+    model = TinyNet()
+    plain = copy.deepcopy(model)
+    blocks = remat.blocks(model)
+    members, names = resolve(model, blocks), [b.fqns for b in blocks]
+    ops = (Recompute(0, 2, (Keep(0), Keep(1))), Recompute(2, 3, (Keep(2),)), Keep(3), Keep(4))
+    x = torch.randn(4, 8)
+    reuse: dict[Any, Any] = {}
+    seen = []
+    for _ in range(3):
+        touched = install(model, ops, members, names, reuse=reuse)
+        roles = [m.__dict__["_remat_role"] for m in touched]
+        seen.append(([id(r) for r in roles], [r.learned for r in roles]))
+        for m in (model, plain):
+            torch.manual_seed(1)
+            m.zero_grad(set_to_none=True)
+            m(x).square().sum().backward()
+        uninstall(touched)
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
+    assert seen[0][0] == seen[1][0] == seen[2][0]  # the same roles, installed again
+    assert not any(seen[0][1]) and all(seen[1][1]) and all(seen[2][1])  # learned on the first iteration only
+    assert "_remat_role" not in vars(model.layers[0])

@@ -1482,6 +1482,7 @@ def install(
     names: Sequence[tuple[str, ...]],
     *,
     allow_stateful: bool = False,
+    reuse: dict[tuple[Op, ...], list[tuple[nn.Module, _Role]]] | None = None,
 ) -> list[nn.Module]:
     """Install the plan operations ``ops`` on ``model``'s modules (all or nothing).
 
@@ -1492,6 +1493,9 @@ def install(
         names: The member FQNs of each block (for messages).
         allow_stateful: Recompute modules whose forward updates buffers other than BatchNorm's
             (NOTE [ State under recomputation ]).
+        reuse: Roles installed before for the same ``ops`` on the same model, by ``ops``: installed again
+            as they are (what their first call learned included, so a later call does not learn again:
+            the profile times one configuration in several iterations); filled for ``ops`` if absent.
 
     Returns:
         Every module whose ``forward`` was overridden.
@@ -1499,6 +1503,10 @@ def install(
     Raises:
         RematError: If a module already belongs to another applied plan (nothing is installed then).
     """
+    if reuse is not None and ops in reuse:
+        for module, role in reuse[ops]:
+            _set_role(module, role)
+        return [module for module, _ in reuse[ops]]
     roles: dict[int, tuple[nn.Module, str, list[tuple[_Span, int]]]] = {}
     policies: dict[int, frozenset[str]] = {}
     _assign(model, ops, members, names, roles, policies)
@@ -1515,6 +1523,8 @@ def install(
     except BaseException:
         uninstall(touched)
         raise
+    if reuse is not None:
+        reuse[ops] = [(module, module.__dict__["_remat_role"]) for module in touched]
     return touched
 
 

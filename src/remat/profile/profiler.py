@@ -72,6 +72,19 @@ log = logging.getLogger(__name__)
 # model; the first checkpointed step measured no slower than later ones).
 
 
+# NOTE [ Learning calls are not timed ]
+# A plan's first call of each block after it is installed learns what the block changes and draws
+# (NOTE [ State under recomputation ] in ``remat.core.runtime``: its buffers and arguments copied and
+# compared, a dispatch mode watching for generators, every attribute walked): about 5 ms per layer of
+# workload A, once per training run. The profile installs each configuration afresh for each of its
+# timed iterations, so every one of them learned: "full" priced a recomputed A layer 5 ms too high
+# (the profile's every-block-checkpointed step +417 ms where that plan trains at +280), and the planner
+# chose op-level policies over recomputing whole layers where they cost more (remat at torch
+# per-block's peak: 1.139x its time). Each configuration's roles are now installed again as they were
+# (``install(reuse=...)``), so only its first iteration learns; it is marked, and its times are used
+# only when the configuration has no other iteration (the selective one: one iteration).
+
+
 # NOTE [ Op-level policy costs ]
 # An op-level policy (RecomputeOps) keeps a block under torch's selective checkpoint, caching some ops'
 # outputs. Its time is measured in two parts: one timed configuration runs every single-module block
@@ -194,10 +207,14 @@ def _timed_step(
     members: list[list[nn.Module]],
     ops: tuple[Op, ...],
     dev: torch.device,
+    reuse: dict[tuple[Op, ...], Any],
 ) -> list[tuple[str, int, int]]:
     """One iteration with ``ops`` installed; wall-clock time of every boundary (first is start, then
-    the end of the backward ``("backward_end", 0)`` and the end of the optimizer's step ``("end", 0)``)."""
-    events: list[tuple[str, int, int]] = []
+    the end of the backward ``("backward_end", 0)`` and the end of the optimizer's step ``("end", 0)``;
+    a ``("learning", 0)`` event where the plan's first call learned, NOTE [ Learning calls are not timed ])."""
+    events: list[tuple[str, int, int]] = (
+        [] if ops in reuse or all(isinstance(op, Keep) for op in ops) else [("learning", 0, 0)]
+    )
 
     def clock(kind: str, i: int) -> None:
         if dev.type == "cuda":
@@ -205,7 +222,7 @@ def _timed_step(
         events.append((kind, i, time.perf_counter_ns()))
 
     # Stateful blocks are timed too (their state is put back by ``preserved``); plans keep them.
-    touched = install(it.model, ops, members, [b.fqns for b in block_list], allow_stateful=True)
+    touched = install(it.model, ops, members, [b.fqns for b in block_list], allow_stateful=True, reuse=reuse)
     try:
         with probe(it.model, block_list, clock):
             it.reset()
@@ -334,9 +351,10 @@ def profile(
         runs: dict[str, list[list[tuple[str, int, int]]]] = {name: [] for name in configs}
         step_ms: list[float] = []
         schedule = _schedule(list(configs), repeats)
+        reuse: dict[tuple[Op, ...], Any] = {}  # NOTE [ Learning calls are not timed ]
         with show_progress(progress, len(schedule), "profile") as advance:
             for k, name in enumerate(schedule):
-                events = _timed_step(it, block_list, members, configs[name], dev)
+                events = _timed_step(it, block_list, members, configs[name], dev, reuse)
                 advance(f"timing {name}, {k + 1}/{len(schedule)}")
                 runs[name].append(events)
                 if name == "plain":
@@ -769,7 +787,9 @@ def _assemble(
     timings = {name: [_times(events) for events in config_runs] for name, config_runs in runs.items()}
 
     def ms(a: tuple[str, int], b: tuple[str, int], config: str = "plain") -> float:
-        vals = [(t.get(b, t[("backward_end", 0)]) - t[a]) / 1e6 for t in timings.get(config, []) if a in t]
+        # NOTE [ Learning calls are not timed ]: the iterations whose first calls learned, only if no other.
+        runs = [t for t in timings.get(config, []) if ("learning", 0) not in t] or timings.get(config, [])
+        vals = [(t.get(b, t[("backward_end", 0)]) - t[a]) / 1e6 for t in runs if a in t]
         return max(0.0, median(vals))
 
     def block_ms(i: int, config: str) -> float:
