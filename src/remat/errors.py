@@ -9,6 +9,10 @@ offending value, the valid range and the fix, e.g.::
 
 from __future__ import annotations
 
+import contextlib
+import re
+from collections.abc import Iterator
+
 __all__ = [
     "RematError",
     "BlockSelectionError",
@@ -46,3 +50,23 @@ class PlanMismatchError(RematError):
 
 class MissingExtraError(RematError):
     """An optional dependency (an "extra") is not installed."""
+
+
+@contextlib.contextmanager
+def higher_order_refused(where: str, fix: str) -> Iterator[None]:
+    """Turns torch's ``NotImplementedError`` for a higher-order operator (``torch.cond``, ``while_loop``,
+    ``scan``) run under one of remat's dispatch modes into a :class:`RematError` that names it: ``where``
+    begins the message (what ran, e.g. ``"apply: module 'layers.0'"``), ``fix`` ends it.
+
+    Torch runs such an operator under a ``TorchDispatchMode`` only through a rule registered for that mode
+    class, and compiles its branches with dynamo in eager mode, which remat's modes do not support."""
+    try:
+        yield
+    except NotImplementedError as e:
+        found = re.search(r"HigherOrderOperator (\w+)", str(e))
+        if found is None:
+            raise
+        raise RematError(
+            f"{where} calls the higher-order operator torch.{found.group(1)}, which remat cannot run under the "
+            f"dispatch modes it watches a forward with; {fix}"
+        ) from e

@@ -1002,3 +1002,64 @@ def test_roles_installed_again_keep_what_their_first_call_learned() -> None:
     assert seen[0][0] == seen[1][0] == seen[2][0]  # the same roles, installed again
     assert not any(seen[0][1]) and all(seen[1][1]) and all(seen[2][1])  # learned on the first iteration only
     assert "_remat_role" not in vars(model.layers[0])
+
+
+class _CondLayer(nn.Module):
+    """Calls torch.cond, a higher-order operator, in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return torch.cond(h.sum() > 0, lambda a: torch.tanh(a), lambda a: torch.sigmoid(a), (h,))
+
+
+def test_a_block_calling_torch_cond_is_a_remat_error_naming_it_in_apply_profile_and_check_gradients() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_CondLayer(), _CondLayer())
+    x = torch.randn(4, 8, requires_grad=True)
+    model(x).sum().backward()  # the plain model runs
+    remat.apply(model, remat.full())
+    with pytest.raises(remat.RematError, match=r"module '0' calls the higher-order operator torch\.cond"):
+        model(x).sum().backward()
+    remat.remove(model)
+    with pytest.raises(remat.RematError, match=r"profile: the model calls the higher-order operator torch\.cond"):
+        remat.profile(model, (x,), lambda out: out.sum(), progress=False)
+    with pytest.raises(remat.RematError, match=r"check_gradients: the model calls .* torch\.cond"):
+        remat.check_gradients(model, remat.full(), (x,), lambda out: out.sum())
+
+
+class _Rebuilds(nn.Module):
+    """Replaces its layers with new ones on its first forward (as HF BigBird replaces its attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.built = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.built:
+            fresh = nn.ModuleList(nn.Linear(8, 8) for _ in self.layers)
+            fresh.load_state_dict(self.layers.state_dict())
+            self.layers = fresh
+            self.built = True
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_module_the_model_replaces_after_apply_is_a_remat_error_and_apply_after_the_first_call_works() -> None:
+    torch.manual_seed(0)
+    model = _Rebuilds()
+    x = torch.randn(4, 8)
+    remat.apply(model, remat.full())
+    with pytest.raises(remat.RematError, match=r"module 'layers.0' was replaced in the model after remat.apply"):
+        model(x)
+    remat.remove(model)
+    assert not model._forward_hooks  # remove() takes the check away with the plan
+    remat.apply(model, remat.full())  # built now: the plan runs the modules the model calls
+    model(x).sum().backward()
+    counts = remat.measure(model, (x,), lambda out: out.sum(), steps=1, progress=False).forward_counts
+    assert list(counts.values()) == [2, 2, 2], counts

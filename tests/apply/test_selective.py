@@ -13,6 +13,7 @@ from torch import nn
 
 import remat
 from remat.blocks import resolve
+from remat.core.ops import Recompute
 from remat.core.selective import run_selective
 from remat.core.trace import record_memory
 from remat.errors import RematError
@@ -442,8 +443,14 @@ def test_plans_on_blocks_that_do_not_save_their_input_hold_their_prediction(mode
             assert measured <= plan.budget_bytes, (share, plan.describe(), measured, plan.budget_bytes)
             # Never above the prediction; below it by at most 10%: a replay runs above the gradients pending
             # at its block's backward and the input the checkpoint holds, which overlap on these blocks
-            # (knapsack at 65% on the autocast chain: 0.922; left on the safe side).
-            assert 0.90 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes, (
+            # (knapsack at 65% on the autocast chain: 0.922; left on the safe side). A nested plan whose inner
+            # segment starts at the same block counts that input twice (README, known limits): 15%
+            # (R[0:2](R[0:1](K0) K1) at 55% on the autocast chain, 0.868, chosen when its timings say so).
+            nested = any(
+                isinstance(op, Recompute) and any(isinstance(i, Recompute) for i in op.inner) for op in plan.ops
+            )
+            low = 0.85 if nested else 0.90
+            assert low * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes, (
                 share,
                 plan.describe(),
                 measured,

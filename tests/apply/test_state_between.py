@@ -134,3 +134,68 @@ def test_a_hook_removed_before_the_backward_runs_in_the_replay_and_stays_removed
     remat.apply(model, remat.full())
     assert all(torch.equal(a, b) for a, b in zip(plain, grads(model), strict=True))
     assert not any(layer.fc1._forward_hooks for layer in model[:3])
+
+
+class _Owned(nn.Module):
+    """Reads an int of a module it refers to without owning it (a back-reference to the model)."""
+
+    def __init__(self, owner: nn.Module) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        object.__setattr__(self, "owner", owner)  # not a sub-module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x) * (1 + 0.1 * self.owner.step))  # tanh saves its output
+
+
+class _Owner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = 0
+        self.layers = nn.ModuleList(_Owned(self) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        self.step += 1  # a step counter, bumped after the layers ran and before the backward
+        return x
+
+
+@pytest.mark.parametrize("strategy", [remat.full(), remat.segments(2)], ids=["full", "segments2"])
+def test_an_int_of_a_module_a_block_refers_to_without_owning_it_is_replayed_as_at_the_call(
+    strategy: remat.Strategy,
+) -> None:
+    def grads(apply: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = _Owner()
+        if apply:
+            remat.apply(model, strategy)
+        model(torch.randn(8, 16)).pow(2).sum().backward()
+        return [p.grad for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(grads(False), grads(True), strict=True))
+
+
+class _Aux(nn.Module):
+    """Binds an auxiliary loss to itself in its forward (MoE-style), which the model sums after the loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        self.aux_loss = h.pow(2).mean()
+        return h
+
+
+@pytest.mark.parametrize("strategy", [remat.full(), remat.segments(2)], ids=["full", "segments2"])
+def test_what_a_replay_binds_to_its_modules_is_put_back_to_the_forwards(strategy: remat.Strategy) -> None:
+    # The replay's aux_loss would hold the replay's graph (every tensor it saved) to the next forward.
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_Aux() for _ in range(4)))
+    remat.apply(model, strategy)
+    out = model(torch.randn(8, 16))
+    bound = [layer.aux_loss for layer in model]
+    (out.pow(2).sum() + sum(bound)).backward()
+    assert all(layer.aux_loss is b for layer, b in zip(model, bound, strict=True))

@@ -408,3 +408,22 @@ def test_a_member_hook_that_hands_the_next_member_another_tensor_unlinks_the_bou
     remat.apply(model, plan)
     measured = remat.measure(model, x, lambda out: out.sum(), steps=1, progress=False).peak_bytes
     assert measured <= simulate(chain_of(prof), plan.ops).peak_bytes
+
+
+class _CallsForwardDirectly(nn.Module):
+    """Calls its layers' forward directly, as HF SqueezeBERT's encoder does: no module hooks run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer.forward(x))
+        return x
+
+
+def test_blocks_whose_forward_the_model_calls_directly_are_refused_with_that_reason() -> None:
+    model = _CallsForwardDirectly()
+    with pytest.raises(BlockSelectionError, match=r"not through its __call__.*layer\.forward\(x\)"):
+        remat.profile(model, torch.randn(4, 8), lambda out: out.sum(), progress=False)

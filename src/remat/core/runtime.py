@@ -112,7 +112,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from remat.core.ops import Keep, Op, Recompute, RecomputeOps, RecomputeSub
 from remat.core.selective import run_selective
 from remat.core.wrapped import unwrap
-from remat.errors import RematError
+from remat.errors import RematError, higher_order_refused
 
 __all__ = [
     "install",
@@ -313,14 +313,22 @@ def _plain(value: Any) -> bool:
 
 
 def _plain_attrs(module: nn.Module, role: _Role | None) -> tuple[tuple[nn.Module, str, Any], ...]:
-    """Every plain attribute of ``module``'s modules (``training`` included) with its value at the call, for
-    the replay (NOTE [ State under recomputation ]); mutable containers as copies (an in-place edit after
-    the call would reach a reference). Where they are is found once per role (``_Role.plain_names``): an
-    attribute first set after the module's first call is not seen."""
+    """Every plain attribute of ``module``'s modules (``training`` included), and of the modules they refer
+    to without owning them (a back-reference ``self.owner``, set through ``object.__setattr__``: the
+    forward may read the model's step counter there), with its value at the call, for the replay (NOTE
+    [ State under recomputation ]); mutable containers as copies (an in-place edit after the call would
+    reach a reference). Where they are is found once per role (``_Role.plain_names``): an attribute first
+    set after the module's first call is not seen."""
     if role is None or role.plain_names is None or not role.learned:  # a learning call finds them again
+        own = list(module.modules())
+        refs: dict[int, nn.Module] = {}
+        for sub in own:
+            refs.update((id(v), v) for v in sub.__dict__.values() if isinstance(v, nn.Module))
+        for sub in own:
+            refs.pop(id(sub), None)
         names = tuple(
             (sub, name)
-            for sub in module.modules()
+            for sub in (*own, *refs.values())
             for name, value in sub.__dict__.items()
             if name not in _MODULE_INTERNALS and _plain(value)
         )
@@ -913,6 +921,9 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     buffers = dict(module.named_buffers())
     current = {name: buffers[name].detach().clone() for name in call.state if name in buffers}
     swapped = _swap_in_params(call)
+    # What the replay binds to its modules' attributes (an aux loss, a cache: ``self.aux = h.sum()``) would
+    # keep the replay's graph, and every tensor it saved, alive after the replay: put the forward's back.
+    bound = [(sub, dict(sub.__dict__)) for sub in module.modules()]
     try:
         with torch.no_grad():
             for name, value in call.state.items():
@@ -931,6 +942,13 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             for name, value in current.items():
                 buffers[name].copy_(value)
         _put_back(swapped)
+        for sub, before in bound:
+            now = sub.__dict__
+            for name in [n for n in now if n not in before]:
+                del now[name]
+            for name, value in before.items():
+                if now.get(name, _MISSING) is not value:
+                    now[name] = value
 
 
 # NOTE [ Parameters under recomputation ]
@@ -1046,6 +1064,10 @@ def role_norms(module: nn.Module, role: _Role) -> frozenset[str]:
     if role.norms is None:
         role.norms = _norm_buffers(module)
     return role.norms
+
+
+# What to do about a block calling torch.cond (errors.higher_order_refused): its first call is watched.
+_HOP_FIX = "keep this block (a plan that does not recompute it), or checkpoint it with torch.utils.checkpoint"
 
 
 class _StateGuard:
@@ -1242,7 +1264,7 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
     watch = GeneratorWatch() if not role.learned else contextlib.nullcontext()
     py_before = _py_states() if not role.learned else None
     attrs = _attr_values(module, role)
-    with watch:
+    with watch, higher_order_refused(f"apply: module {role.name!r}", _HOP_FIX):
         out = run_selective(_guarded_recompute(module, role, attrs), args, kwargs, role.policy)
     if not role.learned:
         role.attrs = tuple((sub, name) for sub, name, _ in _attrs_changed(attrs))
@@ -1321,6 +1343,7 @@ def _invoke(
             stack.enter_context(frame.packing(calls[-1]))
             recorded.append((frame, calls[-1]))
         if watch is not None:
+            stack.enter_context(higher_order_refused(f"apply: module {role.name!r}", _HOP_FIX))
             stack.enter_context(watch)
         out = _run(module, role, args, kwargs, replay)
     if watch is not None:
@@ -1576,6 +1599,35 @@ def attach(
     detach(model)
     touched = install(model, ops, members, names, allow_stateful=allow_stateful)
     model.__dict__[_APPLIED_ATTR] = Attached(tag, tuple(ops), tuple(map(tuple, names)), allow_stateful, tuple(touched))
+    model.register_forward_hook(_check_members)
+
+
+def _check_members(model: nn.Module, _args: Any, _output: Any) -> None:
+    """After each forward of a model with a plan attached: every module the plan runs is still the one at its
+    name. A model may replace one after ``apply`` (HF BigBird swaps each ``attention.self`` for another
+    object on its first forward when the sequence is too short for block-sparse attention): the plan would
+    run the old one, which nothing calls, and the step would peak above the plan's budget, silently
+    (1.10-1.46x on BigBird before this check)."""
+    if torch.compiler.is_compiling():  # traced away: a compiled model's plan is checked by its eager calls
+        return
+    entry = model.__dict__.get(_APPLIED_ATTR)
+    if not isinstance(entry, Attached):
+        return
+    for module in entry.touched:
+        role = module.__dict__.get("_remat_role")
+        if role is None:
+            continue
+        try:
+            here: nn.Module | None = model.get_submodule(role.name)
+        except AttributeError:
+            here = None
+        if here is not module:
+            raise RematError(
+                f"apply: module {role.name!r} was replaced in the model after remat.apply (now "
+                f"{type(here).__name__}), so the plan runs a module the model no longer calls and the step is not "
+                "planned; call the model once before remat.apply (it builds its modules on its first call), or "
+                "apply the plan again"
+            )
 
 
 def attached(model: nn.Module) -> Attached | None:
@@ -1586,7 +1638,10 @@ def attached(model: nn.Module) -> Attached | None:
 
 def detach(model: nn.Module) -> Any | None:
     """Undo :func:`attach`; returns its ``tag`` (``None`` when nothing was attached)."""
-    entry = holder(model).__dict__.pop(_APPLIED_ATTR, None)
+    host = holder(model)
+    for key in [k for k, hook in host._forward_hooks.items() if hook is _check_members]:
+        del host._forward_hooks[key]
+    entry = host.__dict__.pop(_APPLIED_ATTR, None)
     if not isinstance(entry, Attached):
         return None
     uninstall(entry.touched)

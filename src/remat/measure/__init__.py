@@ -31,7 +31,7 @@ from remat.core.trace import (
     timed_steps,
     train_step,
 )
-from remat.errors import BlockSelectionError, RematError
+from remat.errors import BlockSelectionError, RematError, higher_order_refused
 from remat.plan.types import Plan
 
 __all__ = ["Measurement", "GradientCheck", "measure", "check_gradients", "MemoryTrace", "Grads", "Loop"]
@@ -198,7 +198,13 @@ def _grads(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor]
         # were, so that both runs draw the same numbers.
         watch = GeneratorWatch()
         try:
-            with watch:
+            with (
+                higher_order_refused(
+                    "check_gradients: the model",
+                    "compare the plain and the planned model's gradients yourself (torch.equal on each parameter's .grad)",
+                ),
+                watch,
+            ):
                 loss = train_step(model, inputs, loss_fn, where="check_gradients")
         finally:
             for gen, state in watch.found.values():

@@ -36,7 +36,7 @@ from remat.core.trace import (
     train_step,
 )
 from remat.core.wrapped import unwrap
-from remat.errors import BlockSelectionError, RematError
+from remat.errors import BlockSelectionError, RematError, higher_order_refused
 from remat.profile.ops import EXTERNAL, BlockOps, profile_ops
 from remat.profile.twins import pool_twins, twin_groups
 from remat.profile.types import BlockProfile, LateInput, Profile, SubProfile
@@ -362,7 +362,13 @@ def profile(
         counter = _FlopCount()
         with probe(model, block_list, lambda kind, i: flop_events.append((kind, i, counter.total))):
             it.reset()
-            with counter:
+            with (
+                higher_order_refused(
+                    "profile: the model",
+                    "remat cannot profile this model: apply a strategy to the blocks that do not call it, without a profile (remat.apply(model, remat.selective([...])))",
+                ),
+                counter,
+            ):
                 train_step(model, inputs, loss_fn, where="profile")
             flop_events.append(("end", 0, counter.total))
         it.optimizer_step()
@@ -808,10 +814,12 @@ def _check_order(
             "remat.blocks(model, split=True) keep such layers whole (split=False, or named=[...] groups), "
             "otherwise choose the module that calls it"
             if runs > 1
-            else f"{name!r} did not run: a model that skips layers at random (LayerDrop: HF's layerdrop / "
-            "encoder_layerdrop) cannot be profiled: set that probability to 0 to profile and plan, or apply a "
-            "strategy that needs no profile (remat.apply(model, remat.sqrt())); with split=True, a child the "
-            "forward never calls cannot be a block (split=False)"
+            else f"{name!r} did not run through its __call__: a model that calls a block's forward directly "
+            "(layer.forward(x), as HF SqueezeBERT's encoder does) bypasses the module hooks the profile times it "
+            "with: choose the module that calls it (include=...) or apply a strategy that needs no profile "
+            "(remat.apply(model, remat.sqrt())); a model that skips layers at random (LayerDrop: HF's layerdrop / "
+            "encoder_layerdrop) cannot be profiled: set that probability to 0 to profile and plan, or apply such "
+            "a strategy; with split=True, a child the forward never calls cannot be a block (split=False)"
         )
         raise BlockSelectionError(
             f"profile: blocks must run exactly once per step, but {bad[:3]} (name, runs) did not; {why}"
