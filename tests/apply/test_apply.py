@@ -1063,3 +1063,53 @@ def test_a_module_the_model_replaces_after_apply_is_a_remat_error_and_apply_afte
     model(x).sum().backward()
     counts = remat.measure(model, (x,), lambda out: out.sum(), steps=1, progress=False).forward_counts
     assert list(counts.values()) == [2, 2, 2], counts
+
+
+def _inplace_sequential(act: str) -> nn.Sequential:
+    """A VGG-style Sequential: each Linear followed by an activation that edits its output in place."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(6):
+        layers += [nn.Linear(64, 64), nn.ReLU(inplace=True) if act == "relu" else nn.Dropout(0.1, inplace=True)]
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("act", ["relu", "dropout"])
+def test_in_place_activations_are_recomputed_in_segments_with_the_block_before_them(act: str) -> None:
+    # NOTE [ In-place edits of a member's output ]: a segment that starts before such a block replays it on
+    # the output the segment's replay made (torch's checkpoint_sequential does the same); one that starts
+    # at it would edit its input twice: refused. Before, every segment holding it was refused, so the
+    # planner could save nothing on such models.
+    x = torch.randn(256, 64, requires_grad=True)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.pow(2).sum()
+
+    def grads(model: nn.Module) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        x.grad = None
+        loss_fn(model(x)).backward()
+        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+    reference = grads(_inplace_sequential(act))
+    model = _inplace_sequential(act)
+    remat.apply(model, remat.segments(3))
+    assert all(torch.equal(a, b) for a, b in zip(reference, grads(model), strict=True))
+    model = _inplace_sequential(act)
+    remat.apply(model, remat.full())
+    with pytest.raises(remat.RematError, match=r"module '1' edits its tensor argument #0 in place"):
+        grads(model)
+    model = _inplace_sequential(act)
+    prof = remat.profile(model, (x,), loss_fn, progress=False)
+    assert [bp.edits_own_link for bp in prof.block_profiles] == [False, True] * 6
+    with pytest.raises(remat.BudgetInfeasibleError) as info:
+        remat.plan(prof, "1KiB")
+    assert info.value.min_peak_bytes < 0.85 * prof.peak_bytes  # all kept before: the plain peak
+    for budget in ("80%", info.value.min_peak_bytes):
+        plan = remat.plan(prof, budget)
+        planned = copy.deepcopy(model)
+        remat.apply(planned, plan)
+        assert all(torch.equal(a, b) for a, b in zip(reference, grads(planned), strict=True)), plan.describe()
+        peak = remat.measure(planned, (x,), loss_fn, steps=1, progress=False).peak_bytes
+        assert plan.predicted_peak_bytes is not None and plan.budget_bytes is not None
+        assert peak <= plan.budget_bytes and peak <= plan.predicted_peak_bytes, (plan.describe(), peak)

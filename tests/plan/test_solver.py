@@ -660,3 +660,45 @@ def test_one_bare_simulation_gives_the_chain_and_the_full_peak() -> None:
             peak, full, ms = measured(chain, ops)
             sim = simulate(chain, ops)
             assert (peak, full, ms) == (chain_peak(chain, ops), sim.peak_bytes, pytest.approx(sim.total_ms))
+
+
+def _respects(chain: Chain, ops: tuple[Op, ...]) -> bool:
+    """Whether every segment of a plan (at any depth) starts where a segment may start, recomputes only
+    blocks that may be recomputed, and goes on only across joinable boundaries."""
+    for op in ops:
+        if isinstance(op, Recompute):
+            inside = range(op.start, op.stop)
+            if not chain.startable[op.start] or not all(chain.recomputable[k] for k in inside):
+                return False
+            if not all(chain.joinable[k] for k in range(op.start, op.stop - 1)) or not _respects(chain, op.inner):
+                return False
+    return True
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "knapsack"])
+@pytest.mark.parametrize("seed", range(10))
+def test_solve_respects_where_segments_may_start_and_go_as_the_brute_force_does(seed: int, nested: bool) -> None:
+    # A block that edits the previous block's output in place may be recomputed only in a segment that
+    # starts before it (Chain.startable); a stateful one never (recomputable); segments go on only across
+    # joinable boundaries. The DP's best plan at every headroom is the best of the brute force's allowed plans.
+    rng = np.random.default_rng(1000 + seed)
+    n = int(rng.integers(3, 7))
+    chain = random_chain(rng, n, hi=int(rng.choice([4, 20, 60])))
+    recomputable = tuple(bool(v) for v in rng.random(n) > 0.15) + (True,)
+    startable = tuple(r and bool(v) for r, v in zip(recomputable, rng.random(n + 1) > 0.4, strict=True))
+    joinable = tuple(bool(v) for v in rng.random(n) > 0.2) + (True,)
+    chain = dataclasses.replace(chain, recomputable=recomputable, startable=startable, joinable=joinable)
+    b = bare(chain)
+    plans = [measured(chain, ops, b) for ops in all_plans(n, nested=nested) if _respects(chain, ops)]
+    lowest = min(peak for peak, _, _ in plans)
+    for headroom in budgets(peak for peak, _, _ in plans):
+        ops = solve(chain, headroom, nested=nested)
+        fitting = [ms for peak, _, ms in plans if peak <= headroom]
+        if headroom < lowest:
+            assert ops is None and not fitting
+            continue
+        assert ops is not None and _respects(chain, ops), ops
+        assert chain_peak(chain, ops) <= headroom
+        assert simulate(chain, ops).total_ms == pytest.approx(min(fitting), rel=1e-12, abs=1e-12)
+    assert min_peak(chain, nested=nested) == min(full for _, full, _ in plans)
+    assert _respects(chain, min_peak_plan(chain, nested=nested))

@@ -175,7 +175,7 @@ class _JitterLayer(nn.Module):
 
 
 @pytest.mark.parametrize("layer", [_EditsItsInput, _JitterLayer])
-def test_what_edits_its_input_in_place_is_never_recomputed(layer: type[nn.Module]) -> None:
+def test_what_edits_its_input_in_place_is_recomputed_only_with_the_block_that_made_it(layer: type[nn.Module]) -> None:
     # apply refuses to recompute a module that edits its argument in place; the profile sees it, so the
     # planner keeps such a block (and offers no sub-module variant for such a sub-module), and every
     # budget it can meet runs exactly, never refused.
@@ -187,7 +187,11 @@ def test_what_edits_its_input_in_place_is_never_recomputed(layer: type[nn.Module
     assert [bp.edits_input for bp in prof.block_profiles] == [block_edits] * 4
     subs = [s.fqn for bp in prof.block_profiles for s in bp.subs]
     assert not any(f.endswith("mlp") for f in subs) and (block_edits or len(subs) == 4)
-    assert chain_of(prof).recomputable[:4] == (not block_edits,) * 4
+    # Blocks 1-3 edit the previous block's output: recomputed with it, never at a segment's start (NOTE [
+    # In-place edits of a member's output ] in remat.core.runtime); block 0 edits the model's input.
+    assert [bp.edits_own_link for bp in prof.block_profiles] == [False, block_edits, block_edits, block_edits]
+    assert chain_of(prof).recomputable[:4] == (not block_edits, True, True, True)
+    assert chain_of(prof).startable[:4] == (not block_edits,) * 4
     if not block_edits:  # ffn_only would checkpoint the MLP alone: refused at planning, with the reason
         with pytest.raises(RematError, match=r"checkpoints 0\.mlp alone.*edits its input in place"):
             remat.plan(prof, strategy=remat.ffn_only())

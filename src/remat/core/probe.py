@@ -146,6 +146,10 @@ class Probe:
         self._active: list[int] = []
         # Blocks and sub-modules that edit a tensor argument in place (a recomputation would edit it again).
         self.edits_input = [False] * (n + m)
+        # Blocks whose every edited argument is an output of the block before them, as that block returned
+        # it (a ReLU(inplace=True) after a Linear in a Sequential): BlockProfile.edits_own_link.
+        self.edits_own_link = [True] * n
+        self._prev_out_args: dict[int, set[int]] = {}  # block index -> ids of its arguments that are such outputs
         self._arg_versions: dict[int, list[tuple[torch.Tensor, int]]] = {}
         self._fired: set[tuple[Event, int]] = set()
         self.handles: list[Any] = []
@@ -204,8 +208,12 @@ class Probe:
         def hook(_mod: nn.Module, _args: Any, _kwargs: Any, out: Any) -> None:
             if self.track:
                 self.outputs[slot].update(storages(out, self.params))
-                if any(t._version != v for t, v in self._arg_versions.pop(slot, [])):
+                edited = [t for t, v in self._arg_versions.pop(slot, []) if t._version != v]
+                if edited:
                     self.edits_input[slot] = True
+                    if kind is Event.FORWARD_END:
+                        own = self._prev_out_args.pop(index, set())
+                        self.edits_own_link[index] &= all(id(t) in own for t in edited)
             if self._active and self._active[-1] == slot:
                 self._active.pop()
             if kind is Event.FORWARD_END:
@@ -253,10 +261,13 @@ class Probe:
             allowed = self._seen_before_prev | self._prev_inputs
             outs = {id(r()): v for r, v in self._prev_outs if r() is not None}
             wrapped = _wrapped_args(self.members[index][0], args)
+            own = self._prev_out_args[index] = set()
             for t in tree_leaves((args, kwargs)):
                 if not isinstance(t, torch.Tensor) or (
                     id(t) in outs and outs[id(t)] == t._version and id(t) not in wrapped
                 ):
+                    if isinstance(t, torch.Tensor):
+                        own.add(id(t))
                     continue
                 try:
                     st = t.untyped_storage()
@@ -365,6 +376,7 @@ class Probe:
             self._prev_outs = []
             self._raw_outs.clear()
             self._arg_versions.clear()
+            self._prev_out_args.clear()
             self._buffers_before.clear()
             for h in (*self.handles, *self.tensor_handles):
                 h.remove()

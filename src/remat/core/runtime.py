@@ -1070,6 +1070,19 @@ def role_norms(module: nn.Module, role: _Role) -> frozenset[str]:
 _HOP_FIX = "keep this block (a plan that does not recompute it), or checkpoint it with torch.utils.checkpoint"
 
 
+# NOTE [ In-place edits of a member's output ]
+# A member that edits a tensor argument in place (``nn.ReLU(inplace=True)``) would, replayed on the
+# argument the forward gave it, edit it a second time: refused. But where that argument is an earlier
+# member's output in every span the member runs in (``_LINK``: a ReLU after a Linear in a Sequential,
+# with both in one segment), the replay hands it the output that member's replay just made, so it edits
+# a new tensor once, as the forward did (torch's checkpoint_sequential relies on the same: segments of
+# VGG-style Sequentials recompute exactly). Only a span starting at the member (its argument external)
+# is refused. The profile records which blocks edit only the previous block's output
+# (``BlockProfile.edits_own_link``) and the solvers put them in segments, never at a segment's start
+# (``Chain.startable``); their recomputation is priced at their plain forward, as they are never
+# timed checkpointed alone.
+
+
 class _StateGuard:
     """NOTE [ State under recomputation ] for one call of a member."""
 
@@ -1088,6 +1101,9 @@ class _StateGuard:
             self.arg_copies = [t.detach().clone() for t in self.args] if not role.learned else []
         self.attr_before = _attr_values(module, role)
         self.attrs: tuple[tuple[nn.Module, str, Any], ...] = ()  # set by check()
+        # Ids of its arguments that every span it runs in links to an earlier member's output: it may edit
+        # those in place (NOTE [ In-place edits of a member's output ]); set after the call is recorded.
+        self.own_links: set[int] = set()
 
     def check(self, rng: _RngState) -> dict[str, torch.Tensor]:
         """Validate what the call changed; return the pre-call values of the buffers it updates."""
@@ -1100,7 +1116,9 @@ class _StateGuard:
                 for n, b in self.buffers.items()
                 if b._version != self.versions[n] or n in norms or not torch.equal(b, self.before[n])
             ]
-        edited = [i for i, t in enumerate(self.args) if t._version != self.arg_versions[i]]
+        edited = [
+            i for i, t in enumerate(self.args) if t._version != self.arg_versions[i] and id(t) not in self.own_links
+        ]
         role = self.role
         if not role.learned:
             stateful = [n for n in changed if not _is_batchnorm_buffer(self.module, n)]
@@ -1342,6 +1360,12 @@ def _invoke(
             calls.append(frame.record(module, role, args, kwargs, rng, {}, spans[k + 1 :]))
             stack.enter_context(frame.packing(calls[-1]))
             recorded.append((frame, calls[-1]))
+        guard.own_links = set.intersection(
+            *(
+                {id(leaves[j]) for j, slot in enumerate(frame.calls[c].slots) if slot[0] == _LINK}
+                for frame, c in recorded
+            )
+        )
         if watch is not None:
             stack.enter_context(higher_order_refused(f"apply: module {role.name!r}", _HOP_FIX))
             stack.enter_context(watch)

@@ -194,6 +194,10 @@ class Chain:
             solvers put several blocks in one segment only across joinable boundaries (default all ``True``).
         recomputable: Whether each block may be recomputed (``False`` for a stateful forward, see
             NOTE [ State under recomputation ] in ``remat.core.runtime``; default all ``True``).
+        startable: Whether a segment may start at each block (default ``recomputable``): ``False`` also
+            for a block that edits the previous block's output in place (``BlockProfile.edits_own_link``),
+            which may be recomputed only with that block (NOTE [ In-place edits of a member's output ]
+            in ``remat.core.runtime``).
         grad_bytes: Bytes of parameter gradients each block's backward allocates (entry ``n``: the
             head's), held from then to the end of the iteration (default 0: gradients held before it).
         late_inputs: Block inputs the plain step frees in the forward after the block that takes them
@@ -230,6 +234,7 @@ class Chain:
     pending_grad_bytes: tuple[int, ...] = ()
     rng_copy_bytes: tuple[int, ...] = ()
     recomputable: tuple[bool, ...] = ()
+    startable: tuple[bool, ...] = ()
     grad_bytes: tuple[int, ...] = ()
     joinable: tuple[bool, ...] = ()
     late_inputs: tuple[tuple[int, int, int, tuple[int, ...]], ...] = ()
@@ -266,6 +271,8 @@ class Chain:
                 object.__setattr__(self, name, (0,) * len(self.fwd_ms))
         if not self.recomputable:
             object.__setattr__(self, "recomputable", (True,) * len(self.fwd_ms))
+        if not self.startable:
+            object.__setattr__(self, "startable", tuple(self.recomputable))
         if not self.out_free_bytes:
             object.__setattr__(self, "out_free_bytes", (0,) * len(self.fwd_ms))
         if not self.ckpt_fwd_ms:
@@ -488,6 +495,14 @@ def chain_of(profile: Profile) -> Chain:
     # tensor is the output of the block before, made inside the segment (a split stochastic-depth ResNet's
     # segment over conv2, bn2 and an Identity measured 1.04x its prediction: bn2's output, 262,144 bytes,
     # left out). Alone, such a block's segment holds what is alive anyway, as the chain says.
+    # A block that edits the previous block's output in place and returns it (a ReLU(inplace=True) after a
+    # Linear) hands on a tensor the previous block made: a segment may go on into it (never start at it,
+    # Chain.startable), and what it leaves is the previous block's own output (NOTE [ In-place edits of a
+    # member's output ] in remat.core.runtime).
+    carries = [_passes_through(b) and b.edits_own_link for b in bps]
+    handed: list[int] = []
+    for i, b in enumerate(bps):
+        handed.append(handed[-1] if carries[i] and i else b.own_output_bytes)
     joinable = tuple(
         i + 1 >= len(bps)
         or (
@@ -495,7 +510,7 @@ def chain_of(profile: Profile) -> Chain:
             and b.reused_bytes == 0
             and bps[i + 1].linked
             and not bps[i + 1].fresh_rng
-            and not _passes_through(bps[i + 1])
+            and (not _passes_through(bps[i + 1]) or carries[i + 1])
         )
         for i, b in enumerate(bps)
     )
@@ -504,7 +519,7 @@ def chain_of(profile: Profile) -> Chain:
         bwd_ms=tuple(b.bwd_ms for b in bps) + (0.0,),
         # What a segment ending before block k leaves: block k-1's own output (arguments every block
         # receives, a mask, rotary tables, are held before block 0 and counted once, in base_bytes).
-        x_bytes=(bps[0].input_bytes, *(b.own_output_bytes for b in bps[:-1]), profile.head_input_bytes),
+        x_bytes=(bps[0].input_bytes, *handed[:-1], profile.head_input_bytes),
         keep_bytes=tuple(b.keep_bytes for b in bps) + (0,),
         fwd_peak_bytes=tuple(b.fwd_peak_bytes for b in bps) + (profile.head_peak_bytes,),
         # Measured against the level at the end of the block's forward, which still holds the input the
@@ -540,7 +555,8 @@ def chain_of(profile: Profile) -> Chain:
         released_bytes=_released(profile, joinable) + (0,),
         pending_grad_bytes=tuple(b.pending_grad_bytes for b in bps) + (0,),
         rng_copy_bytes=tuple(profile.ckpt_state_bytes if b.fresh_rng else 0 for b in bps) + (0,),
-        recomputable=tuple(not b.stateful and not b.edits_input for b in bps) + (True,),
+        recomputable=tuple(not b.stateful and (not b.edits_input or b.edits_own_link) for b in bps) + (True,),
+        startable=tuple(not b.stateful and not b.edits_input for b in bps) + (True,),
         joinable=joinable + (True,),
         grad_bytes=tuple(b.grad_bytes for b in bps) + (profile.head_grad_bytes,),
         late_inputs=tuple((li.nbytes, li.producer, li.freed_after, tuple(li.users)) for li in profile.late_inputs),

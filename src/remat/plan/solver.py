@@ -624,6 +624,9 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
                 fsum = float(chain.ckpt_fwd_ms[s]) + fsum
                 if s < t:
                     later = max(later, int(chain.fwd_peak_bytes[s + 1]) + int(chain.x_bytes[s + 1]))
+                if not chain.startable[s]:  # it may be recomputed only with the block before it
+                    shifted[s, t + 1] = _INF
+                    continue
                 nosave = int(max(int(chain.fwd_peak_bytes[s]), later)) + int(chain.ckpt_state_bytes)
                 nosave_bytes[s, t + 1] = nosave
                 # The checkpoint holds s's freed input through the inner plan (Chain.freed_input_bytes).
@@ -810,7 +813,7 @@ def _peak_table(
     for s in range(n):
         running = int(chain.fwd_peak_bytes[s])
         for k in range(s + 1, n + 1):
-            blocked = not all(chain.recomputable[s:k]) or not all(chain.joinable[s : k - 1])
+            blocked = not chain.startable[s] or not all(chain.recomputable[s:k]) or not all(chain.joinable[s : k - 1])
             nosave[s, k] = _BIG if blocked else running + int(chain.ckpt_state_bytes)
             if k < n:
                 running = max(running, int(chain.fwd_peak_bytes[k]) + int(chain.x_bytes[k]))

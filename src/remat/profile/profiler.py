@@ -6,7 +6,7 @@ import contextlib
 import logging
 import time
 from bisect import bisect_right
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -387,7 +387,9 @@ def profile(
             trace = record_memory(it.step, dev)
         grad_events = _grad_events(trace, fresh)
         _check_order(tracked.calls, tracked.order, block_list, tracked.backward_calls, tracked.no_grad)
-        pinned = _pinned(model, inputs, loss_fn, block_list, dev)
+        # Blocks that edit the previous block's output in place (NOTE [ In-place edits of a member's output ]).
+        editing = {i for i in range(n) if tracked.edits_input[i] and tracked.edits_own_link[i]}
+        pinned = _pinned(model, inputs, loss_fn, block_list, dev, editing)
         gaps = _gaps(trace, n)
         # Scalars a forward caches (a few bytes) do not make a model less of a chain.
         slack = [max(1024, sum(tracked.outputs[i].values()) // 100) for i in range(n)]
@@ -501,6 +503,7 @@ def _pinned(
     loss_fn: Callable[[Any], torch.Tensor],
     block_list: Sequence[Block],
     dev: torch.device,
+    editing: Collection[int] = (),
 ) -> list[tuple[int, int, int]]:
     members = resolve(model, block_list)
     params = set(storages(list(model.parameters()), set()))
@@ -597,6 +600,9 @@ def _pinned(
                 ptr not in ins[owner + 1]
                 or any(ptr in ins[j] and alive_at(t, t_free, spans[j][0]) for j in range(owner + 2, n))
             )
+            # The next block edits it in place and returns it (a ReLU(inplace=True)): it is that block's
+            # output, which the blocks after it take.
+            and not (owner + 1 in editing and ptr in outs[owner + 1])
         ):
             # The block's own output, still alive when the next block ends (BlockProfile.reused_bytes):
             # a later block takes it (a U-Net's skip), or the model's code holds it and frees it later
@@ -1012,6 +1018,7 @@ def _assemble(
                 linked=tracked.linked[i],
                 stateful=tracked.stateful[i],
                 edits_input=tracked.edits_input[i],
+                edits_own_link=tracked.edits_input[i] and tracked.edits_own_link[i],
                 grad_bytes=grads[i],
             )
         )

@@ -145,6 +145,11 @@ class BlockProfile:
             (a stateful forward: the planner keeps such a block; NOTE [ State under recomputation ]).
         edits_input: Whether its forward edits one of its tensor arguments in place (its recomputation
             would edit it again: the planner keeps such a block, as ``apply`` refuses to recompute it).
+        edits_own_link: With ``edits_input``, whether every argument it edits is an output of the block
+            before it, as that block returned it (a ``ReLU(inplace=True)`` after a Linear in a
+            Sequential): recomputed in a segment that also recomputes that block, it edits the output
+            the replay made again, so the planner puts it in segments but never at their start (NOTE [
+            In-place edits of a member's output ] in ``remat.core.runtime``).
         grad_bytes: Bytes of parameter gradients first allocated in its backward (its own parameters,
             and those of code between it and the previous block), held to the end of the iteration;
             0 with gradients held (NOTE [ Gradients in the backward ] in ``remat.profile.profiler``).
@@ -180,6 +185,7 @@ class BlockProfile:
     fresh_rng: bool = False
     stateful: tuple[str, ...] = ()
     edits_input: bool = False
+    edits_own_link: bool = False
     grad_bytes: int = 0
     selective_ms: float | None = None
     pending_grad_bytes: int = 0
