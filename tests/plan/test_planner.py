@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 import remat
 from remat.core.ops import Recompute
@@ -186,3 +188,40 @@ def test_a_strategy_given_as_the_budget_is_pointed_to_strategy() -> None:
         remat.plan(prof, remat.full())  # type: ignore[arg-type]
     with pytest.raises(RematError, match=r"did you mean strategy='every_nth\(2\)'\?"):
         remat.plan(prof, "every_nth(2)")
+
+
+class _Vgg(nn.Module):
+    """A VGG in miniature: convolutions, BatchNorm and in-place ReLUs in one Sequential, then a classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        c = 3
+        for width in (8, 8, 16, 16):
+            layers += [nn.Conv2d(c, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(inplace=True)]
+            c = width
+        self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.pool(self.features(x)), 1))
+
+
+def test_few_coarse_blocks_that_cannot_lower_the_peak_say_to_profile_finer_ones() -> None:
+    torch.manual_seed(0)
+    model = _Vgg()
+    x = torch.randn(8, 3, 32, 32)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.square().mean()
+
+    coarse = remat.profile(model, x, loss_fn, repeats=1, progress=False)
+    assert [b.name for b in coarse.blocks] == ["features", "pool", "classifier"]
+    with pytest.raises(remat.BudgetInfeasibleError, match=r"profile finer blocks, remat\.blocks\(model, split=True\)"):
+        remat.plan(coarse, "50%")
+    # Its children as blocks: segments over [Conv, BatchNorm, ReLU(inplace=True)] lower the peak.
+    fine = remat.profile(model, x, loss_fn, blocks=remat.blocks(model, split=True), repeats=1, progress=False)
+    with pytest.raises(remat.BudgetInfeasibleError) as info:
+        remat.plan(fine, "1KiB")
+    assert "finer blocks" not in str(info.value) and info.value.min_peak_bytes < 0.8 * fine.peak_bytes

@@ -369,9 +369,17 @@ def _plan_here(profile: Profile, budget: int | str | Budget | None, *, solver: s
         )
     if ops is None:
         cheapest = ops_repr(chosen.min_peak_plan(profile, chain))
+        # Few coarse blocks (a VGG's features, pool and classifier) leave nothing to recompute that lowers
+        # the peak: finer blocks do.
+        finer = (
+            "; with these few blocks no plan lowers the peak much: profile finer blocks, "
+            "remat.blocks(model, split=True) or include='features.*'"
+            if len(profile.blocks) <= 4 and smallest >= 0.9 * profile.peak_bytes
+            else ""
+        )
         raise BudgetInfeasibleError(
             f"plan: budget {format_bytes(budget_bytes)} is below the smallest feasible peak {format_bytes(smallest)} "
-            f"({chosen.name}: {cheapest}); raise the budget or lower the batch size",
+            f"({chosen.name}: {cheapest}); raise the budget or lower the batch size{finer}",
             budget_bytes=budget_bytes,
             min_peak_bytes=smallest,
         )
