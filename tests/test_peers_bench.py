@@ -38,6 +38,8 @@ def test_small_workload_runs_every_eager_row(peers: ModuleType, name: str) -> No
         assert r["peak_bytes"] > 0 and len(r["step_ms_all"]) == 2
         assert r["grads_equal"], r["row"]  # eager checkpointing leaves every gradient bitwise the same
     assert rows["none"]["peak_vs_none"] == 1.0
+    assert rows["none"]["paired_overhead_vs_none"] == 0.0  # each round's step over itself
+    assert all(r["paired_overhead_vs_none"] is not None for r in result["rows"] if r.get("step_ms_all"))
     text = peers.table(result)
     assert text.count("\n| ") == len(result["rows"]) + 1  # header + one line per row
     assert peers.targets(result)[-1].startswith(f"{name}: every remat plan")
