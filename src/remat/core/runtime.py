@@ -1648,7 +1648,7 @@ def _check_members(model: nn.Module, _args: Any, _output: Any) -> None:
         if here is not module:
             raise RematError(
                 f"apply: module {role.name!r} was replaced in the model after remat.apply (now "
-                f"{type(here).__name__}), so the plan runs a module the model no longer calls and the step is not "
+                f"{'absent' if here is None else type(here).__name__}), so the plan runs a module the model no longer calls and the step is not "
                 "planned; call the model once before remat.apply (it builds its modules on its first call), or "
                 "apply the plan again"
             )
