@@ -1113,3 +1113,33 @@ def test_in_place_activations_are_recomputed_in_segments_with_the_block_before_t
         peak = remat.measure(planned, (x,), loss_fn, steps=1, progress=False).peak_bytes
         assert plan.predicted_peak_bytes is not None and plan.budget_bytes is not None
         assert peak <= plan.budget_bytes and peak <= plan.predicted_peak_bytes, (plan.describe(), peak)
+
+
+class _Cached(nn.Module):
+    """Returns a tensor it keeps across calls (a plain attribute) with its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = torch.ones(8, 16)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache, h
+
+
+class _EditsFirst(nn.Module):
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        a, h = pair
+        a.add_(1)
+        return a * h
+
+
+def test_an_edit_of_a_tensor_the_previous_member_returns_from_its_state_is_refused_not_replayed() -> None:
+    # The replay hands the same old tensor back, which the editing member would edit a second time: the
+    # cache ended at 3 instead of 2 and gradients differed, silently (helper-44). A member's output counts
+    # as its own only if the call made it (NOTE [ In-place edits of a member's output ]).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), _Cached(), _EditsFirst(), nn.Linear(16, 16))
+    x = torch.randn(8, 16, requires_grad=True)
+    remat.apply(model, remat.full(), blocks=remat.blocks(model, named=[["0"], ["1", "2", "3"], ["4"]]))
+    with pytest.raises(remat.RematError, match=r"module '3' edits its tensor argument #0 in place"):
+        model(x).pow(2).sum().backward()

@@ -6,6 +6,7 @@ The profile times blocks and attributes memory with it; the timeline marks its e
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from enum import Enum
@@ -19,7 +20,25 @@ from torch.utils._pytree import tree_leaves
 
 from remat.blocks import Block, resolve
 
-__all__ = ["Event", "Callback", "Probe", "probe", "storages"]
+__all__ = ["Event", "Callback", "Probe", "probe", "storages", "sequence_mark", "made_since"]
+
+
+_MARKER = torch.empty(0, requires_grad=True)
+
+
+def sequence_mark() -> int:
+    """The sequence number autograd gives the next node it makes (NOTE [ In-place edits of a member's output ])."""
+    with torch.enable_grad():
+        node = _MARKER.view(0).grad_fn
+    assert node is not None
+    return int(node._sequence_nr())
+
+
+def made_since(t: torch.Tensor, mark: int) -> bool:
+    """Whether ``t`` (or the tensor it views) got its autograd node after ``sequence_mark()`` returned ``mark``."""
+    base = t._base if t._base is not None else t
+    node = base.grad_fn
+    return node is not None and int(node._sequence_nr()) >= mark
 
 
 class Event(str, Enum):
@@ -150,6 +169,7 @@ class Probe:
         # it (a ReLU(inplace=True) after a Linear in a Sequential): BlockProfile.edits_own_link.
         self.edits_own_link = [True] * n
         self._prev_out_args: dict[int, set[int]] = {}  # block index -> ids of its arguments that are such outputs
+        self._marks: dict[int, int] = {}  # block index -> autograd's sequence mark when its forward started
         self._arg_versions: dict[int, list[tuple[torch.Tensor, int]]] = {}
         self._fired: set[tuple[Event, int]] = set()
         self.handles: list[Any] = []
@@ -182,6 +202,7 @@ class Probe:
                     self.no_grad[index] = True
                 if self.track:
                     self._link(index, args, kwargs)
+                    self._marks[index] = sequence_mark()
                 for t in tree_leaves((args, kwargs)):
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         self.tensor_handles.append(t.register_hook(self._once(Event.BACKWARD_END, index)))
@@ -266,7 +287,9 @@ class Probe:
                 if not isinstance(t, torch.Tensor) or (
                     id(t) in outs and outs[id(t)] == t._version and id(t) not in wrapped
                 ):
-                    if isinstance(t, torch.Tensor):
+                    # Made in the previous block's call, not returned from its state (NOTE [ In-place edits of
+                    # a member's output ] in remat.core.runtime).
+                    if isinstance(t, torch.Tensor) and made_since(t, self._marks.get(index - 1, sys.maxsize)):
                         own.add(id(t))
                     continue
                 try:
@@ -377,6 +400,7 @@ class Probe:
             self._raw_outs.clear()
             self._arg_versions.clear()
             self._prev_out_args.clear()
+            self._marks.clear()
             self._buffers_before.clear()
             for h in (*self.handles, *self.tensor_handles):
                 h.remove()

@@ -110,6 +110,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from remat.core.ops import Keep, Op, Recompute, RecomputeOps, RecomputeSub
+from remat.core.probe import made_since, sequence_mark
 from remat.core.selective import run_selective
 from remat.core.wrapped import unwrap
 from remat.errors import RematError, higher_order_refused
@@ -649,7 +650,8 @@ class _Frame:
         self.holders: list[weakref.ref[_Holder]] = []
         self.meta: list[tuple[Any, ...]] = []
         self.owner: list[int] = []
-        self.outs: dict[int, tuple[int, int, weakref.ref[torch.Tensor], int]] = {}
+        # id -> (call, leaf, the tensor, its version, made by that call: NOTE [ In-place edits of a member's output ])
+        self.outs: dict[int, tuple[int, int, weakref.ref[torch.Tensor], int, bool]] = {}
         self.recomputed: dict[int, weakref.WeakKeyDictionary[_Handle, torch.Tensor]] = {}
         self.counter: dict[int, int] = {}
         self.done: set[int] = set()
@@ -714,10 +716,10 @@ class _Frame:
         )
         return len(self.calls) - 1
 
-    def record_output(self, index: int, out: Any) -> None:
+    def record_output(self, index: int, out: Any, mark: int) -> None:
         for j, leaf in enumerate(tree_leaves(out)):
             if isinstance(leaf, torch.Tensor):
-                self.outs[id(leaf)] = (index, j, weakref.ref(leaf), leaf._version)
+                self.outs[id(leaf)] = (index, j, weakref.ref(leaf), leaf._version, made_since(leaf, mark))
 
     @contextlib.contextmanager
     def packing(self, index: int) -> Iterator[None]:
@@ -1077,7 +1079,15 @@ _HOP_FIX = "keep this block (a plan that does not recompute it), or checkpoint i
 # with both in one segment), the replay hands it the output that member's replay just made, so it edits
 # a new tensor once, as the forward did (torch's checkpoint_sequential relies on the same: segments of
 # VGG-style Sequentials recompute exactly). Only a span starting at the member (its argument external)
-# is refused. The profile records which blocks edit only the previous block's output
+# is refused. The earlier member must have made that tensor in its call: one it returns from its state
+# (a cached tensor, a slice of a buffer) is the same old tensor in the replay, which the editing member
+# would edit a second time (gradients and state silently off, helper-44). A tensor counts as made in a
+# call when it (or the base it views) got its autograd node after the call started (``made_since``,
+# by the nodes' sequence numbers). Not checked: a tensor a member saved for backward that a later member
+# edits in place (a Sigmoid's output, then ReLU(inplace=True)); the plain backward fails on it
+# ("modified by an inplace operation"), the replay saves through hooks, which skip autograd's version
+# check, and its buffers are copied back around each call, so versions cannot tell. The profile records
+# which blocks edit only the previous block's output
 # (``BlockProfile.edits_own_link``) and the solvers put them in segments, never at a segment's start
 # (``Chain.startable``); their recomputation is priced at their plain forward, as they are never
 # timed checkpointed alone.
@@ -1351,6 +1361,7 @@ def _invoke(
     sums = _param_sums(params) if not role.learned else []
     py_before = _py_states() if not role.learned or role.py_rng else None  # 50 us: learned on the first call
     watch = GeneratorWatch() if not role.learned else None
+    mark = sequence_mark()
     with contextlib.ExitStack() as stack:
         recorded: list[tuple[_Frame, int]] = []
         frames = [(_frame_for(span, position), k) for k, (span, position) in enumerate(spans)]
@@ -1362,7 +1373,11 @@ def _invoke(
             recorded.append((frame, calls[-1]))
         guard.own_links = set.intersection(
             *(
-                {id(leaves[j]) for j, slot in enumerate(frame.calls[c].slots) if slot[0] == _LINK}
+                {
+                    id(leaves[j])
+                    for j, slot in enumerate(frame.calls[c].slots)
+                    if slot[0] == _LINK and frame.outs[id(leaves[j])][4]
+                }
                 for frame, c in recorded
             )
         )
@@ -1391,7 +1406,7 @@ def _invoke(
         frame.calls[index].params = params
         frame.calls[index].py_rng = py_rng
         frame.calls[index].attrs = guard.attrs
-        frame.record_output(index, out)
+        frame.record_output(index, out, mark)
         frame.end_rng = end_rng if position + 1 < span.size else None  # the last member: no call follows
     return out
 
