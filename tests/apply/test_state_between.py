@@ -186,14 +186,22 @@ class _Aux(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.fc(x))
         self.aux_loss = h.pow(2).mean()
-        return h
+        return torch.sigmoid(h)  # saves after the binding: a recomputation runs past it (torch's early stop)
 
 
-@pytest.mark.parametrize("strategy", [remat.full(), remat.segments(2)], ids=["full", "segments2"])
-def test_what_a_replay_binds_to_its_modules_is_put_back_to_the_forwards(strategy: remat.Strategy) -> None:
-    # The replay's aux_loss would hold the replay's graph (every tensor it saved) to the next forward.
+@pytest.mark.parametrize(
+    "strategy", [remat.full(), remat.segments(2), "policies"], ids=["full", "segments2", "policies"]
+)
+def test_what_a_replay_binds_to_its_modules_is_put_back_to_the_forwards(strategy: remat.Strategy | str) -> None:
+    # The replay's aux_loss would hold the replay's graph (every tensor it saved) to the next forward; under
+    # op-level policies, torch's selective checkpoint recomputes the block (RecurrentGemma's recurrent_states).
     torch.manual_seed(0)
     model = nn.Sequential(*(_Aux() for _ in range(4)))
+    model(torch.randn(8, 16))  # a step before apply: each layer already holds an aux_loss tensor
+    if strategy == "policies":
+        strategy = Plan(
+            strategy="by hand", blocks=tuple(remat.blocks(model)), ops=tuple(RecomputeOps(i, ()) for i in range(4))
+        )
     remat.apply(model, strategy)
     out = model(torch.randn(8, 16))
     bound = [layer.aux_loss for layer in model]

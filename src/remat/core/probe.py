@@ -16,9 +16,10 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.module import _global_backward_hooks, _global_backward_pre_hooks
-from torch.utils._pytree import tree_leaves
 
 from remat.blocks import Block, resolve
+from remat.core.tree import leaves as tree_leaves
+from remat.core.tree import output_leaves
 
 __all__ = ["Event", "Callback", "Probe", "probe", "storages", "sequence_mark", "made_since"]
 
@@ -67,9 +68,10 @@ class Event(str, Enum):
 Callback = Callable[[Event, int], None]
 
 
-def _live_storages(obj: Any, exclude: set[int]) -> Iterator[tuple[int, torch.UntypedStorage]]:
-    """(data pointer, storage) of every tensor in ``obj`` (a pytree) whose pointer is not in ``exclude``."""
-    for leaf in tree_leaves(obj):
+def _live_storages(obj: Any, exclude: set[int], out: bool = False) -> Iterator[tuple[int, torch.UntypedStorage]]:
+    """(data pointer, storage) of every tensor in ``obj`` (a pytree; ``out``: what a block returns, read
+    with ``output_leaves``) whose pointer is not in ``exclude``."""
+    for leaf in output_leaves(obj) if out else tree_leaves(obj):
         if isinstance(leaf, torch.Tensor):
             try:
                 # A DTensor (FSDP2's sharded parameters) or a freed storage has no data pointer: skip it.
@@ -81,19 +83,19 @@ def _live_storages(obj: Any, exclude: set[int]) -> Iterator[tuple[int, torch.Unt
                 yield ptr, st
 
 
-def storages(obj: Any, exclude: set[int]) -> dict[int, int]:
-    """Storage data pointer -> bytes of every tensor in ``obj`` (a pytree) not in ``exclude``."""
-    return {ptr: st.nbytes() for ptr, st in _live_storages(obj, exclude)}
+def storages(obj: Any, exclude: set[int], out: bool = False) -> dict[int, int]:
+    """Storage data pointer -> bytes of every tensor in ``obj`` (a pytree; ``out``: as ``_live_storages``) not in ``exclude``."""
+    return {ptr: st.nbytes() for ptr, st in _live_storages(obj, exclude, out)}
 
 
-def _storage_refs(obj: Any, exclude: set[int]) -> dict[int, weakref.ref[torch.UntypedStorage]]:
+def _storage_refs(obj: Any, exclude: set[int], out: bool = False) -> dict[int, weakref.ref[torch.UntypedStorage]]:
     """Storage data pointer -> weak reference to the storage, for every tensor in ``obj`` not in ``exclude``.
 
     A pointer alone does not name a storage over time: the allocator hands a freed block's address to
     the next allocation of its size (a ReLU's output where a norm's output was), and a storage's weak
     reference dies with it (torch keeps one Python object per live storage).
     """
-    return {ptr: weakref.ref(st) for ptr, st in _live_storages(obj, exclude)}
+    return {ptr: weakref.ref(st) for ptr, st in _live_storages(obj, exclude, out)}
 
 
 def _wrapped_args(module: nn.Module, args: tuple[Any, ...]) -> set[int]:
@@ -172,6 +174,10 @@ class Probe:
         self._marks: dict[int, int] = {}  # block index -> autograd's sequence mark when its forward started
         self._arg_versions: dict[int, list[tuple[torch.Tensor, int]]] = {}
         self._fired: set[tuple[Event, int]] = set()
+        # Whether the backward unpacked anything each block saved: a block that saved tensors none of which the
+        # backward read is one the backward does not reach (its output feeds the loss through operations
+        # without a gradient, an argmin: BlockProfile.backward).
+        self.unpacked = [False] * (n + m)
         self.handles: list[Any] = []
         self.tensor_handles: list[Any] = []  # hooks on the step's tensors (inputs may outlive the step)
 
@@ -228,7 +234,7 @@ class Probe:
     def _post(self, slot: int, kind: Event, index: int) -> Callable[..., None]:
         def hook(_mod: nn.Module, _args: Any, _kwargs: Any, out: Any) -> None:
             if self.track:
-                self.outputs[slot].update(storages(out, self.params))
+                self.outputs[slot].update(storages(out, self.params, out=True))
                 edited = [t for t, v in self._arg_versions.pop(slot, []) if t._version != v]
                 if edited:
                     self.edits_input[slot] = True
@@ -242,15 +248,15 @@ class Probe:
                 self._prev_outs = (
                     raw
                     if raw is not None
-                    else [(weakref.ref(t), t._version) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+                    else [(weakref.ref(t), t._version) for t in output_leaves(out) if isinstance(t, torch.Tensor)]
                 )
                 if self.track:
-                    self._seen.update(_storage_refs(out, self.params))
-                for t in tree_leaves(out):
+                    self._seen.update(_storage_refs(out, self.params, out=True))
+                for t in output_leaves(out):
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         self.tensor_handles.append(t.register_hook(self._once(Event.BACKWARD, index)))
             elif kind is Event.SUB_END and self.track:
-                for t in tree_leaves(out):
+                for t in output_leaves(out):
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         self.tensor_handles.append(t.register_hook(self._once(Event.SUB_BACKWARD, index)))
             self.callback(kind, index)
@@ -260,7 +266,7 @@ class Probe:
     def _raw(self, index: int) -> Callable[..., None]:
         def hook(_mod: nn.Module, _args: Any, out: Any) -> None:
             self._raw_outs[index] = [
-                (weakref.ref(t), t._version) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                (weakref.ref(t), t._version) for t in output_leaves(out) if isinstance(t, torch.Tensor)
             ]
 
         return hook
@@ -342,7 +348,7 @@ class Probe:
 
         return hook
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _pack(self, t: torch.Tensor) -> Any:
         # NOTE [ Saved outputs make cycles ]
         # A pack hook's return value is held by the graph node that saves it. When the saved tensor is
         # that node's own output (sigmoid, tanh, exp, a softmax save theirs), returning the tensor itself
@@ -362,7 +368,20 @@ class Probe:
             if ptr not in self.params:
                 for slot in self._active:
                     self.saved[slot][ptr] = size
+                return (t.detach(), tuple(self._active))
         return t.detach()
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, tuple):
+            t, slots = packed
+            for slot in slots:
+                self.unpacked[slot] = True
+            return t  # type: ignore[no-any-return]
+        return packed  # type: ignore[no-any-return]
+
+    def unreached(self, index: int) -> bool:
+        """Whether block ``index`` saved tensors (other than parameters) of which the backward read none."""
+        return bool(self.saved[index]) and not self.unpacked[index]
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[Probe]:
@@ -388,7 +407,7 @@ class Probe:
             self.handles.append(sub.register_forward_pre_hook(self._pre(n + j, Event.SUB, j), with_kwargs=True))
             self.handles.append(sub.register_forward_hook(self._post(n + j, Event.SUB_END, j), with_kwargs=True))
         ctx = (
-            torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+            torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             if self.track
             else contextlib.nullcontext()
         )

@@ -50,8 +50,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from remat.core.tree import flatten
 
 __all__ = ["IGNORED_OPS", "OpKeys", "op_name", "ops_in_words", "run_selective"]
 
@@ -133,12 +135,12 @@ def run_selective(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[s
     Returns:
         What ``fn`` returns.
     """
-    # The arguments go in flattened (torch.utils._pytree, as remat's own recording does): torch's
+    # The arguments go in flattened (remat.core.tree, as remat's own recording does): torch's
     # recomputation calls ``fn`` again on what it was given, and a container the block or the model
     # changed since (a state dict the block writes its new state into) would give it other inputs;
     # rebuilt from the leaves, it sees the forward's. Keywords never reach checkpoint(), whose own
     # (``context_fn``, ``debug`` ...) a block's keyword might shadow.
-    leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
+    leaves, spec = flatten((tuple(args), dict(kwargs)))
 
     def call(*flat: Any) -> Any:
         a, k = tree_unflatten(list(flat), spec)

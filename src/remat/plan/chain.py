@@ -555,8 +555,11 @@ def chain_of(profile: Profile) -> Chain:
         released_bytes=_released(profile, joinable) + (0,),
         pending_grad_bytes=tuple(b.pending_grad_bytes for b in bps) + (0,),
         rng_copy_bytes=tuple(profile.ckpt_state_bytes if b.fresh_rng else 0 for b in bps) + (0,),
-        recomputable=tuple(not b.stateful and (not b.edits_input or b.edits_own_link) for b in bps) + (True,),
-        startable=tuple(not b.stateful and not b.edits_input for b in bps) + (True,),
+        # A block the backward does not reach (BlockProfile.backward) frees what it saves with its graph, not
+        # in a backward: recomputing it saves nothing the model above can count, so it is kept.
+        recomputable=tuple(b.backward and not b.stateful and (not b.edits_input or b.edits_own_link) for b in bps)
+        + (True,),
+        startable=tuple(b.backward and not b.stateful and not b.edits_input for b in bps) + (True,),
         joinable=joinable + (True,),
         grad_bytes=tuple(b.grad_bytes for b in bps) + (profile.head_grad_bytes,),
         late_inputs=tuple((li.nbytes, li.producer, li.freed_after, tuple(li.users)) for li in profile.late_inputs),

@@ -49,7 +49,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from remat._json import Reader
@@ -57,6 +56,8 @@ from remat.blocks import Block, resolve
 from remat.core.runtime import suspended
 from remat.core.selective import OpKeys, op_name
 from remat.core.trace import call_loss, call_model, preserved
+from remat.core.tree import leaves as tree_leaves
+from remat.core.tree import output_leaves
 from remat.core.wrapped import unwrap
 from remat.errors import BlockSelectionError, RematError, higher_order_refused
 
@@ -374,7 +375,7 @@ class _Recorder(TorchDispatchMode):
             return
         run.py_rng = _py_states() != run.py_states
         run.settle()
-        for t in _tensors(out):
+        for t in (leaf for leaf in output_leaves(out) if isinstance(leaf, torch.Tensor)):
             st = _storage(t)
             owner = run.owner.get(st[0], EXTERNAL) if st is not None else EXTERNAL
             if owner != EXTERNAL and owner not in run.outputs:

@@ -358,20 +358,14 @@ def profile(
     n = len(block_list)
     with suspended(model), iteration(model, inputs, loss_fn, grads=grads, optimizer=optimizer, where="profile") as it:
         # FLOPs, counted in the first warm-up iteration (untimed anyway: one iteration fewer to run).
-        flop_events: list[tuple[str, int, int]] = []
-        counter = _FlopCount()
-        with probe(model, block_list, lambda kind, i: flop_events.append((kind, i, counter.total))):
-            it.reset()
-            with (
-                higher_order_refused(
-                    "profile: the model",
-                    "remat cannot profile this model: apply a strategy to the blocks that do not call it, without a profile (remat.apply(model, remat.selective([...])))",
-                ),
-                counter,
-            ):
-                train_step(model, inputs, loss_fn, where="profile")
-            flop_events.append(("end", 0, counter.total))
-        it.optimizer_step()
+        flop_events = _count_flops(it, model, inputs, loss_fn, block_list)
+        ran = [i for kind, i, _ in flop_events if kind == Event.FORWARD]
+        if sorted(ran) == list(range(n)) and ran != sorted(ran):
+            # Blocks listed out of the order they run in, each run once (FSMT registers its decoder before its
+            # encoder; Idefics3 its text layers before its vision ones): measured in the order they run.
+            log.info("profile: the blocks run in another order than listed; profiling them in the order they run")
+            block_list = tuple(replace(block_list[old], index=new) for new, old in enumerate(ran))
+            flop_events = _count_flops(it, model, inputs, loss_fn, block_list)
         held = it.warm_up(warmup - 1)
         # NOTE [ Op-level policy costs ]: every op of each block's forward (one forward, no backward),
         # after the warm-up: on memory a step has touched before, as in training (first, it timed GELU
@@ -543,7 +537,7 @@ def _pinned(
         handles.append(mods[0].register_forward_pre_hook(lambda _m, a, k, i=i: pre(_m, a, k, i), with_kwargs=True))
 
         def post(_m: nn.Module, _a: Any, out: Any, i: int = i) -> None:
-            outs[i].update(storages(out, params))
+            outs[i].update(storages(out, params, out=True))
             mark(f"p{i}")
 
         handles.append(mods[-1].register_forward_hook(post))
@@ -792,6 +786,27 @@ def _gaps(trace: MemoryTrace, n: int) -> list[int]:
     return out
 
 
+def _count_flops(
+    it: Iteration, model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor], block_list: Sequence[Block]
+) -> list[tuple[str, int, int]]:
+    """One iteration (forward, backward, the optimizer's step) counting FLOPs: the total at each block boundary."""
+    flop_events: list[tuple[str, int, int]] = []
+    counter = _FlopCount()
+    with probe(model, block_list, lambda kind, i: flop_events.append((kind, i, counter.total))):
+        it.reset()
+        with (
+            higher_order_refused(
+                "profile: the model",
+                "remat cannot profile this model: apply a strategy to the blocks that do not call it, without a profile (remat.apply(model, remat.selective([...])))",
+            ),
+            counter,
+        ):
+            train_step(model, inputs, loss_fn, where="profile")
+        flop_events.append(("end", 0, counter.total))
+    it.optimizer_step()
+    return flop_events
+
+
 def _check_order(
     calls: list[int], order: list[int], block_list: Sequence[Block], backward_calls: list[int], no_grad: list[bool]
 ) -> None:
@@ -1020,6 +1035,7 @@ def _assemble(
                 edits_input=tracked.edits_input[i],
                 edits_own_link=tracked.edits_input[i] and tracked.edits_own_link[i],
                 grad_bytes=grads[i],
+                backward=not tracked.unreached(i),
             )
         )
     start0, last_end = mt(Event.FORWARD, 0), mt(Event.FORWARD_END, n - 1)

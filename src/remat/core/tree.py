@@ -1,0 +1,143 @@
+"""The tensors in what a block takes and returns: torch's pytree, with the user's dataclasses opened.
+
+# NOTE [ Dataclasses are opened ]
+remat finds the tensors a block takes and returns with ``torch.utils._pytree``, for which tuples,
+lists, dicts, namedtuples and registered classes (HF's ``ModelOutput``) are containers and anything
+else is one leaf. A block returning its hidden state in a dataclass of the user's own
+(``Out(h, aux, n)``), or taking one, hid the tensor: the profile did not see the block's output, and
+a segment could not link it to the next block's input, so each was held as a checkpoint input, and
+plans measured 1.19-1.42x their budget with bitwise gradients (helper-46). Here an instance of a
+dataclass that pytree does not know is opened into its fields (to a depth of ``_DEPTH`` dataclasses,
+each object once): :func:`flatten` gives its fields' leaves, and ``tree_unflatten`` of that spec
+rebuilds it, the same object when no field changed, else a shallow copy with the fields replaced (a
+replay calls a block with a copy holding the replayed tensors). The spec holds the instance weakly and
+a shell of it without its fields: a segment keeps the spec of each recorded call, and holding the
+instance held the tensors in it (1.08x its budget). The global pytree registry is not touched: the
+opened instances stand in a private node type. What a block returns is read with
+:func:`output_leaves`, which opens plain objects holding tensors too (``return Out(h)``: a segment
+linked nothing and plans measured 1.14-1.20x their budget); its arguments are not (a plain object may
+not survive a copy: an HF cache, a handle), so a tensor a block takes inside one is held by the
+recording as the object is (README, Known limits).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import types
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, register_pytree_node, tree_flatten, tree_leaves, tree_map
+
+__all__ = ["flatten", "leaves", "output_leaves"]
+
+_DEPTH = 4
+
+
+class _Opened:
+    """Stands for one opened dataclass instance in a pytree: its fields are the children."""
+
+    __slots__ = ("names", "obj", "values")
+
+    def __init__(self, obj: Any, names: tuple[str, ...], values: list[Any]) -> None:
+        self.obj, self.names, self.values = obj, names, values
+
+
+def _context(node: _Opened) -> tuple[Any, Any, tuple[str, ...]]:
+    # The spec outlives the call (a segment keeps it to rebuild the arguments of its replay): it holds the
+    # instance weakly and a shell of it without its fields, never the tensors in them.
+    try:
+        ref: Any = weakref.ref(node.obj)
+    except TypeError:  # a slotted dataclass without __weakref__
+        ref = None
+    shell = copy.copy(node.obj)
+    for name in node.names:
+        object.__setattr__(shell, name, None)
+    return ref, shell, node.names
+
+
+def _rebuild(values: Any, context: Any) -> Any:
+    ref, shell, names = context
+    values = list(values)
+    obj = ref() if ref is not None else None
+    if obj is not None and all(getattr(obj, name, _MISSING) is value for name, value in zip(names, values)):
+        return obj
+    new = copy.copy(shell)
+    for name, value in zip(names, values):
+        object.__setattr__(new, name, value)  # frozen dataclasses too
+    return new
+
+
+_MISSING = object()
+register_pytree_node(
+    _Opened,
+    lambda node: (node.values, _context(node)),
+    _rebuild,
+    serialized_type_name="remat.core.tree._Opened",
+)
+
+
+def _closed(leaf: Any) -> bool:
+    """Whether ``leaf`` is a dataclass instance that pytree takes as one leaf."""
+    return dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) and type(leaf) not in SUPPORTED_NODES
+
+
+def _plain(leaf: Any) -> bool:
+    """Whether ``leaf`` is an object of a plain class, with attributes of its own, that pytree takes as one leaf."""
+    return (
+        hasattr(leaf, "__dict__")
+        and not isinstance(
+            leaf, (torch.Tensor, nn.Module, type, types.FunctionType, types.MethodType, types.ModuleType)
+        )
+        and type(leaf) not in SUPPORTED_NODES
+        and not callable(leaf)
+    )
+
+
+def _names(leaf: Any, objects: bool) -> tuple[str, ...] | None:
+    if _closed(leaf):
+        return tuple(f.name for f in dataclasses.fields(leaf) if hasattr(leaf, f.name))
+    if objects and _plain(leaf):
+        names = tuple(vars(leaf))
+        if any(isinstance(t, torch.Tensor) for name in names for t in tree_leaves(getattr(leaf, name))):
+            return names
+    return None
+
+
+def _open(tree: Any, depth: int, seen: set[int], objects: bool) -> Any:
+    def one(leaf: Any) -> Any:
+        if depth >= _DEPTH or id(leaf) in seen or isinstance(leaf, torch.Tensor):
+            return leaf
+        names = _names(leaf, objects)
+        if names is None:
+            return leaf
+        seen.add(id(leaf))
+        return _Opened(leaf, names, [_open(getattr(leaf, name), depth + 1, seen, objects) for name in names])
+
+    return tree_map(one, tree)
+
+
+def flatten(tree: Any) -> tuple[list[Any], TreeSpec]:
+    """``tree_flatten`` with the dataclasses pytree does not know opened (NOTE [ Dataclasses are opened ]);
+    ``torch.utils._pytree.tree_unflatten`` of the spec rebuilds them."""
+    flat, spec = tree_flatten(tree)
+    if not any(_closed(leaf) for leaf in flat):
+        return flat, spec
+    return tree_flatten(_open(tree, 0, set(), False))
+
+
+def leaves(tree: Any) -> list[Any]:
+    """The leaves of :func:`flatten`."""
+    return flatten(tree)[0]
+
+
+def output_leaves(tree: Any) -> list[Any]:
+    """The leaves of what a block returns: :func:`leaves`, and the attributes of plain objects holding
+    tensors opened too (``return Out(h)`` of a class of the user's own; read only, never rebuilt)."""
+    flat = tree_leaves(tree)
+    if not any(_closed(leaf) or _plain(leaf) for leaf in flat):
+        return flat
+    return tree_leaves(_open(tree, 0, set(), True))
