@@ -829,3 +829,27 @@ def test_split_gated_mlp_backward_of_the_layers_code_is_charged() -> None:
 
     prof = remat.profile(model, x, loss_fn, blocks=remat.blocks(model, split=True), repeats=1)
     _by_hand_plans_as_predicted(prof, [[], [(0, 2)], [(3, 4)], [(0, 2), (3, 5)]], model, x, loss_fn, 0.01)
+
+
+class _OneLayerStages(nn.Module):
+    """HF Funnel with block_sizes=[1, 1, 1]: a ModuleList of ModuleLists of one layer each, mixed kinds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        kinds = (lambda: nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)), lambda: nn.GRUCell(8, 8))
+        self.stages = nn.ModuleList(nn.ModuleList([kinds[i % 2]()]) for i in range(3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            for layer in stage:
+                x = layer(x)
+        return self.head(x)
+
+
+def test_a_list_of_lists_of_one_layer_gives_the_layers_never_the_lists() -> None:
+    # remat.blocks chose the inner ModuleLists, then refused its own choice (no forward of their own).
+    model = _OneLayerStages()
+    assert [b.name for b in remat.blocks(model)] == ["stages.0.0", "stages.1.0", "stages.2.0"]
+    x = torch.randn(4, 8)
+    assert remat.check_gradients(model, remat.full(), x, lambda y: y.sum()).equal

@@ -688,7 +688,8 @@ def _layer_list(model: nn.Module) -> list[str]:
         if isinstance(module, nn.ModuleList) and len(module) >= 2:
             weight = sum(p.numel() for p in module.parameters())
             if weight > best[0] and 2 * weight >= total:
-                best = (weight, [_join(fqn, name) for name, _ in module.named_children()])
+                # A ModuleList of ModuleLists (HF Funnel's blocks of one layer each): the modules inside.
+                best = (weight, _callable_children(module, fqn))
     return best[1]
 
 

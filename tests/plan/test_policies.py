@@ -287,3 +287,24 @@ def test_menu_policies_of_a_real_gpt_block_validate() -> None:
             for p in menu:
                 validate_policy(b, p)
                 assert "recompute " in p.describe()
+
+
+def test_a_replay_holds_every_cached_output_from_its_start_where_the_forward_peaked_before_them() -> None:
+    # NOTE [ Replays of op-level policies ]: a temporary made first (freed before op 2 ran), then the cached
+    # addmm. The forward peaks at 110 bytes (temporary + sum) before the addmm exists; the replay holds the
+    # cached 40 bytes from its start, so it rises 110 above the backward's level (which holds those 40),
+    # where "forward peak less the cached outputs" gave 70 (LongT5, Hiera: 1.05-1.07x their budget).
+    from remat.plan.policies import _alive, _replay_rise
+
+    ops = (
+        OpRecord(0, "mul#0", "mul", 0.1, 100, 0, (), (0,), freed=2),
+        OpRecord(1, "sum#0", "sum", 0.1, 10, 10, (0,), (1,)),
+        OpRecord(2, "addmm#0", "addmm", 1.0, 40, 40, (1,), (2,)),
+        OpRecord(3, "tanh#0", "tanh", 0.1, 40, 40, (2,), (3,)),
+    )
+    b = BlockOps(0, "b", ops, 90, 0, 4)
+    live = _alive(b, range(4))
+    assert live == [100, 110, 150, 90]  # the temporary is counted through op 2, during which it was freed
+    assert _replay_rise(b, live, {2}, 110) == 150 - 40
+    assert _replay_rise(b, live, set(), 110) == 150
+    assert _replay_rise(b, live, {2}, 160) == 110 + 10  # a measured peak above the storages' (a workspace)

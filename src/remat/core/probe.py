@@ -16,12 +16,14 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.module import _global_backward_hooks, _global_backward_pre_hooks
+from torch.nn.utils.parametrizations import _SpectralNorm
+from torch.nn.utils.spectral_norm import SpectralNorm
 
 from remat.blocks import Block, resolve
 from remat.core.tree import leaves as tree_leaves
 from remat.core.tree import output_leaves
 
-__all__ = ["Event", "Callback", "Probe", "probe", "storages", "sequence_mark", "made_since"]
+__all__ = ["Event", "Callback", "Probe", "probe", "storages", "sequence_mark", "made_since", "restored_buffer"]
 
 
 _MARKER = torch.empty(0, requires_grad=True)
@@ -113,13 +115,26 @@ def _wrapped_args(module: nn.Module, args: tuple[Any, ...]) -> set[int]:
     return {id(t) for t in tensors} if full or pre else set()
 
 
+def restored_buffer(owner: nn.Module, name: str) -> bool:
+    """Whether ``owner``'s own buffer ``name`` is state its forward updates that remat restores around
+    each recomputation without asking (``allow_stateful``): a norm's running statistics, spectral norm's
+    power-iteration vectors (``torch.nn.utils.parametrizations.spectral_norm``'s ``_u``/``_v``, the older
+    ``spectral_norm``'s ``weight_u``/``weight_v``). A replay then computes what the forward did, and the
+    buffers are left as the forward left them (helper-46: bitwise, ``_u``/``_v`` included)."""
+    if isinstance(owner, (_NormBase, _SpectralNorm)):
+        return True
+    return any(
+        isinstance(hook, SpectralNorm) and name in (f"{hook.name}_u", f"{hook.name}_v")
+        for hook in owner._forward_pre_hooks.values()
+    )
+
+
 def _plain_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    # Buffers other than the running statistics of norms, which remat restores around recomputation.
+    # Buffers other than those remat restores around recomputation without asking (restored_buffer).
     for prefix, sub in module.named_modules():
-        if isinstance(sub, _NormBase):
-            continue
         for name, buf in sub.named_buffers(recurse=False):
-            yield (f"{prefix}.{name}" if prefix else name), buf
+            if not restored_buffer(sub, name):
+                yield (f"{prefix}.{name}" if prefix else name), buf
 
 
 class Probe:

@@ -56,8 +56,8 @@ and update no statistics);
 each later call snapshots those buffers before it runs; a replay swaps the snapshot in and the
 current value back afterwards (also when the replay stops early). So state ends exactly as in the
 plain model and the replay computes with the values the forward saw. This is scoped to the member's
-own modules and to the thread doing the replay: no global hooks. Buffers other than BatchNorm's make
-a member *stateful*: ``apply`` refuses to recompute it unless ``allow_stateful=True``. Plain Python
+own modules and to the thread doing the replay: no global hooks. Buffers other than a norm's running
+statistics and spectral norm's vectors (``remat.core.probe.restored_buffer``) make a member *stateful*: ``apply`` refuses to recompute it unless ``allow_stateful=True``. Plain Python
 attributes of its modules (ints, floats, strings, None, and small lists, tuples, sets and dicts of them:
 a call counter, a step a schedule reads, ``Dropout.p``, peft's active adapter names) are recorded per
 call (``_Call.modes``, with ``training``; lists as copies) and a replay sets their values at the call and
@@ -110,7 +110,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_unflatten
 
 from remat.core.ops import Keep, Op, Recompute, RecomputeOps, RecomputeSub
-from remat.core.probe import made_since, sequence_mark
+from remat.core.probe import made_since, restored_buffer, sequence_mark
 from remat.core.selective import run_selective
 from remat.core.tree import flatten, leaves, output_leaves
 from remat.core.wrapped import unwrap
@@ -1058,8 +1058,10 @@ def _put_back(swapped: Sequence[tuple[nn.Module, str, torch.Tensor | None]]) -> 
 
 
 def _is_batchnorm_buffer(module: nn.Module, name: str) -> bool:
+    """Whether buffer ``name`` of ``module`` is one remat restores without asking (``restored_buffer``:
+    a norm's running statistics, spectral norm's vectors)."""
     owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
-    return isinstance(owner, _NormBase)
+    return restored_buffer(owner, name.rsplit(".", 1)[-1])
 
 
 def _norm_buffers(module: nn.Module) -> frozenset[str]:

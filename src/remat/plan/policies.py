@@ -34,8 +34,9 @@ block's forward; like a checkpoint's overhead it is to be measured, not modelled
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -444,6 +445,35 @@ def _held_inputs(profile: Profile, i: int) -> int:
     return held + late
 
 
+# NOTE [ Replays of op-level policies ]
+# A policy's recomputation runs the block's forward again with every cached output held from its start,
+# where the forward made them one by one. Its rise above the level of the backward (which holds the
+# cached outputs) is therefore ``max over t of L(t) - C(t)``: ``L(t)`` the bytes of the storages the
+# block's ops allocated that are alive after op ``t`` (``OpRecord.out_bytes`` and ``freed``, by the
+# storages' lifetimes in the per-op profile), ``C(t)`` those of them that are cached, over the ops before
+# the early stop; plus what the measured forward peak has above ``max L`` (a kernel's workspace). Taking
+# the forward peak less every cached output instead (its value at the block's end) was low for a block
+# whose forward peaks before the op it caches (a temporary made early, LongT5's and Hiera's attention:
+# 1.07-1.09x their budget, helper-45). Each storage is counted alive through the op during which it died
+# (an input an op frees as it makes its output: both exist then). Never below the old figure.
+def _alive(b: BlockOps, which: Collection[int]) -> list[int]:
+    """Bytes of the storages allocated by the ops ``which`` that are alive after each op of the block."""
+    n = len(b.ops)
+    delta = [0] * (n + 1)
+    for i in which:
+        op = b.ops[i]
+        if op.out_bytes:
+            delta[i] += op.out_bytes
+            delta[min(n, (n if op.freed < 0 else op.freed) + 1)] -= op.out_bytes
+    return list(itertools.accumulate(delta[:n]))
+
+
+def _replay_rise(b: BlockOps, live: list[int], cached: set[int], fwd_peak: int) -> int:
+    held = _alive(b, cached)
+    rise = max((live[t] - held[t] for t in range(min(b.stop, len(live)))), default=0)
+    return rise + max(0, fwd_peak - max(live, default=0))
+
+
 def op_costs(profile: Profile) -> dict[tuple[int, RecomputeOps], tuple[int, float, int]]:
     """Every block's policy menu as ways of keeping it, for the solvers (NOTE [ Keep variants ] in
     ``remat.plan.solver``): ``(index, RecomputeOps) -> (bytes freed relative to Keep, extra ms, bytes
@@ -463,6 +493,7 @@ def op_costs(profile: Profile) -> dict[tuple[int, RecomputeOps], tuple[int, floa
         if bp.selective_ms is None or bp.stateful:
             continue
         rerun_ms = sum(op.ms for op in block_ops.ops[: block_ops.stop])
+        live = _alive(block_ops, range(len(block_ops.ops)))
         for policy in policy_menu(block_ops):
             skipped_ms = rerun_ms - policy.recompute_ms
             extra_ms = max(policy.recompute_ms, bp.selective_ms - skipped_ms)
@@ -474,7 +505,10 @@ def op_costs(profile: Profile) -> dict[tuple[int, RecomputeOps], tuple[int, floa
             # up to its early stop alive (the block's forward peak, less the cached outputs, held already):
             # the backward peak is at least that (chain_of's bwd_peak_bytes, which counts the pending
             # gradients, plus the freed bytes coming back).
-            replay = bp.pending_grad_bytes + profile.ckpt_state_bytes + bp.fwd_peak_bytes - policy.held_bytes
+            indices = [j for j in map(block_ops.index_of, policy.save) if j is not None]
+            cached = {st for j in indices for st in block_ops.ops[j].storages if st >= 0}
+            rise = max(bp.fwd_peak_bytes - policy.held_bytes, _replay_rise(block_ops, live, cached, bp.fwd_peak_bytes))
+            replay = bp.pending_grad_bytes + profile.ckpt_state_bytes + rise
             bwd = bp.bwd_peak_bytes + max(0, -bp.gap_bytes)
             transient = max(held, replay - bwd - saved)
             out[(i, RecomputeOps(i, policy.save, policy.freed))] = (saved, extra_ms, transient)

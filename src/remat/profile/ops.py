@@ -88,6 +88,9 @@ class OpRecord:
         random: Whether it draws from the random number generator (``bernoulli_``, ``native_dropout``, ``rand*``).
         view: Whether its outputs only alias its inputs' storages, mutating nothing (``view``, ``transpose``,
             ``_unsafe_view``).
+        freed: When the storages it allocated died in the block's forward: before op ``freed`` ran (a
+            temporary), or ``-1`` when they outlived it (saved, returned, held). With ``out_bytes``, this gives
+            the bytes alive after each op (NOTE [ Replays of op-level policies ] in ``remat.plan.policies``).
     """
 
     index: int
@@ -101,6 +104,7 @@ class OpRecord:
     writes: tuple[int, ...] = ()
     random: bool = False
     view: bool = False
+    freed: int = -1
 
     @property
     def fresh(self) -> bool:
@@ -237,6 +241,8 @@ class _Op:
     random: bool
     view: bool
     saved: dict[int, int] = field(default_factory=dict)  # ptr -> bytes of its storages autograd saved
+    freed: int = -1  # the number of ops run when the last of the storages it allocated died (-1: alive)
+    alive: int = 0  # how many of the storages it allocated are alive
 
 
 class _Run:
@@ -264,6 +270,10 @@ class _Run:
         self.fresh_rng = False  # the model's code drew random numbers since the previous block ended
         self.py_states: Any = None  # Python's and numpy's global RNG states at its start
         self.py_rng = False  # its forward drew from them
+        # Weak references to the storages its ops allocated, whose callbacks record when they die (_Op.freed);
+        # dropped when the block's forward ends, so later deaths are not recorded.
+        self.lifetimes: list[weakref.ref[torch.UntypedStorage]] | None = []
+        self._pending_alive = 0  # storages the op being recorded allocated
 
     def owner_of(self, ptr: int) -> int:
         return self.owner.get(ptr, EXTERNAL)
@@ -307,6 +317,7 @@ class _Run:
             else:
                 if self.owner.get(ptr) != index:
                     out_bytes += nbytes
+                    self._watch(t, index)
                 self.owner[ptr] = owner = index
             if owner not in storages:
                 storages.append(owner)
@@ -326,8 +337,27 @@ class _Run:
                 writes,
                 random,
                 view or bool(getattr(func, "is_view", False)),
+                alive=self._pending_alive,
             )
         )
+        self._pending_alive = 0
+
+    def _watch(self, t: torch.Tensor, index: int) -> None:
+        if self.lifetimes is None:
+            return
+
+        def died(_ref: Any, run: _Run = self, index: int = index) -> None:
+            if run.lifetimes is not None and index < len(run.ops):
+                op = run.ops[index]
+                op.alive -= 1
+                if op.alive == 0:
+                    op.freed = len(run.ops)
+
+        try:
+            self.lifetimes.append(weakref.ref(t.untyped_storage(), died))
+        except (RuntimeError, NotImplementedError, TypeError):
+            return
+        self._pending_alive += 1
 
     def saved(self, t: torch.Tensor, packed: torch.Tensor) -> None:
         self.stop = len(self.ops)
@@ -375,6 +405,7 @@ class _Recorder(TorchDispatchMode):
             return
         run.py_rng = _py_states() != run.py_states
         run.settle()
+        run.lifetimes = None  # what dies after the block's forward ends is no temporary of it
         for t in (leaf for leaf in output_leaves(out) if isinstance(leaf, torch.Tensor)):
             st = _storage(t)
             owner = run.owner.get(st[0], EXTERNAL) if st is not None else EXTERNAL
@@ -452,11 +483,12 @@ def _one_forward(
     missing = [block_list[i].name for i, r in enumerate(rec.runs) if r is None]
     if missing:
         raise BlockSelectionError(
-            f"profile: block {missing[0]!r} did not run in the forward of {type(model).__name__} (not through its "
-            "__call__: a forward called directly, layer.forward(x), bypasses the module hooks the profile needs); "
-            "select blocks that the model's forward calls; a model that skips layers at random (LayerDrop: HF's "
-            "layerdrop / encoder_layerdrop) cannot be profiled: set that probability to 0 to profile and plan, "
-            "or apply a strategy that needs no profile (remat.apply(model, remat.sqrt()))"
+            f"profile: block {missing[0]!r} did not run in the forward of {type(model).__name__}: the model skipped "
+            "it (an early exit, layers skipped at random as with LayerDrop: HF's layerdrop / encoder_layerdrop) or "
+            "called its forward directly (layer.forward(x) bypasses the module hooks the profile needs); a model "
+            "must run every block once per step to be profiled: select blocks that always run through their "
+            "__call__, set a LayerDrop probability to 0 to profile and plan, or apply a strategy that needs no "
+            "profile (remat.apply(model, remat.sqrt()))"
         )
     return [r for r in rec.runs if r is not None], out
 
@@ -491,6 +523,7 @@ def _block_ops(block: Block, runs: list[_Run]) -> BlockOps:
                 writes=tuple(op.writes),
                 random=op.random,
                 view=op.view,
+                freed=op.freed,
             )
         )
     input_saved = sum(first.input_saved.values())
