@@ -359,3 +359,30 @@ def test_dropout_without_rng_preservation_differs_so_the_check_can_fail(gpt_drop
         train_step(model, w.inputs, w.loss_fn)
         grads.append(_grads(model))
     assert not all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+class _Keywords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.out = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.out(torch.tanh(self.emb(input_ids))).flatten(0, 1), labels.flatten())
+
+
+def test_a_batch_encoding_is_split_and_accumulated_as_its_dict() -> None:
+    # What HF tokenizers and collators return: a UserDict, which torch's pytree takes as one leaf.
+    from transformers import BatchEncoding
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 16, (4, 6))
+    batch = BatchEncoding({"input_ids": ids, "labels": ids.roll(1, 1)})
+    pieces = split_batch(batch, 2)
+    assert all(isinstance(p, BatchEncoding) and p["input_ids"].shape == (2, 6) for p in pieces)
+    grads = []
+    for micro in (pieces, split_batch(dict(batch), 2)):
+        torch.manual_seed(0)
+        model = _Keywords()
+        accumulate(model, micro, lambda loss: loss)
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -57,8 +57,13 @@ DEFAULT_AUTOCAST_DTYPES: dict[str, torch.dtype] = {"cpu": torch.bfloat16, "cuda"
 """The autocast dtype :func:`autocast_step` uses by default, per device type (others: torch's default)."""
 
 
+def _plain(inputs: Any) -> Any:
+    """A mapping pytree takes as one leaf (HF's ``BatchEncoding``, a ``UserDict``) as a dict of its items."""
+    return dict(inputs) if isinstance(inputs, Mapping) and not isinstance(inputs, dict) else inputs
+
+
 def _batch_size(where: str, inputs: Any) -> int:
-    for leaf in tree_leaves(inputs):
+    for leaf in tree_leaves(_plain(inputs)):
         if isinstance(leaf, torch.Tensor):
             if leaf.dim() == 0:
                 raise RematError(
@@ -73,8 +78,8 @@ def _batch_size(where: str, inputs: Any) -> int:
 def split_batch(inputs: Any, n: int) -> list[Any]:
     """Split a batch into ``n`` equal micro-batches along dim 0.
 
-    Every tensor in ``inputs`` (a tensor, or a tuple / list / dict of them, nested) is split; each
-    micro-batch has the same structure. Other values (ints, flags, ``None``) are repeated unchanged
+    Every tensor in ``inputs`` (a tensor, or a tuple / list / dict of them, nested; any mapping, e.g. HF's
+    ``BatchEncoding``) is split; each micro-batch has the same structure. Other values (ints, flags, ``None``) are repeated unchanged
     in every micro-batch. The pieces are views of the original tensors, so no memory is copied.
 
     Args:
@@ -92,7 +97,7 @@ def split_batch(inputs: Any, n: int) -> list[Any]:
         raise RematError(
             f"split_batch: n must be a positive int, got {n!r}; pass the number of micro-batches, e.g. n=4"
         )
-    leaves, spec = tree_flatten(inputs)
+    leaves, spec = tree_flatten(_plain(inputs))
     size = _batch_size("split_batch", inputs)
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor) and (leaf.dim() == 0 or leaf.size(0) != size):
@@ -109,10 +114,16 @@ def split_batch(inputs: Any, n: int) -> list[Any]:
         )
     step = size // n
     pieces = [leaf.split(step) if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
-    return [
+    out = [
         tree_unflatten([leaf if piece is None else piece[k] for leaf, piece in zip(leaves, pieces, strict=True)], spec)
         for k in range(n)
     ]
+    if _plain(inputs) is not inputs:  # a BatchEncoding's micro-batches are BatchEncodings (a dict if it cannot)
+        try:
+            out = [type(inputs)(piece) for piece in out]
+        except Exception:  # noqa: BLE001 - a Mapping class whose constructor takes no dict: plain dicts then
+            pass
+    return out
 
 
 def _checked_loss(where: str, loss: Any) -> torch.Tensor:

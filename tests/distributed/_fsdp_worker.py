@@ -40,9 +40,24 @@ class Net(nn.Module):
         return self.head(x)
 
 
+def _apply(inner: nn.Module) -> None:
+    blocks = remat.blocks(inner)
+    # A multi-block, nested plan: segments of three and two blocks, one nested inside.
+    ops = (
+        Recompute(0, 3, (Recompute(0, 2, (Keep(0), Keep(1))), Keep(2))),
+        Recompute(3, 5, (Keep(3), Keep(4))),
+        Keep(5),
+    )
+    remat.apply(inner, Plan("multi-block", blocks, ops))
+
+
 def run(kind: str, use_remat: bool, rank: int) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = Net()
+    # "fsdp-after-apply": remat.apply first, then fully_shard (its parameters then move under remat's feet).
+    first = kind == "fsdp-after-apply"
+    if use_remat and first:
+        _apply(model)
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -57,15 +72,8 @@ def run(kind: str, use_remat: bool, rank: int) -> list[torch.Tensor]:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         inner = wrapped = model
-    if use_remat:
-        blocks = remat.blocks(inner)
-        # A multi-block, nested plan: segments of three and two blocks, one nested inside.
-        ops = (
-            Recompute(0, 3, (Recompute(0, 2, (Keep(0), Keep(1))), Keep(2))),
-            Recompute(3, 5, (Keep(3), Keep(4))),
-            Keep(5),
-        )
-        remat.apply(inner, Plan("multi-block", blocks, ops))
+    if use_remat and not first:
+        _apply(inner)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     torch.manual_seed(1 + rank)
     for _ in range(2):

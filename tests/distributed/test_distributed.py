@@ -11,7 +11,7 @@ from tests.distributed._launch import free_port, run_ranks
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "fsdp-after-apply"])
 def test_multi_block_plan_trains_two_steps_like_the_plain_model(kind: str, tmp_path: Path) -> None:
     port = str(free_port())
     codes, logs = run_ranks(WORKER, lambda rank: (kind, str(rank), "2", port, str(tmp_path / f"r{rank}")), tmp_path)

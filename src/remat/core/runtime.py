@@ -189,6 +189,7 @@ class _Role:
     # under recomputation ]); None until the first call; no check at all on a model sharded by FSDP2.
     param_slots: tuple[tuple[nn.Module, str], ...] | None = None
     check_params: bool = True
+    root: Any = None  # a weak reference to the model: sharded by FSDP2 after apply, its parameters move
     py_rng: bool = False  # its first call drew from Python's or numpy's global generator
     # The plain attributes (ints, floats, strings ...) of its modules that its first call changed: a call
     # counter, a step read by a schedule (NOTE [ State under recomputation ]).
@@ -202,6 +203,7 @@ class _Role:
         # Learned again after loading.
         state["learned"], state["stateful"], state["norms"], state["generators"] = False, frozenset(), None, ()
         state["param_slots"], state["py_rng"], state["attrs"], state["plain_names"] = None, False, (), None
+        state["root"] = None
         return state
 
 
@@ -975,9 +977,12 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 # updates one of its parameters in place (an EMA codebook) would update it again in its replay: it
 # raises on the call (an edit through ``p.data``, which moves no version counter, on the first call
 # after ``apply``, by the parameter's float64 sum). Under FSDP2, which swaps and refills parameters between forward and backward
-# itself, none of this is checked (``_Role.check_params``).
+# itself, none of this is checked (``_Role.check_params``; also where ``fully_shard`` came after ``apply``).
 def _param_refs(module: nn.Module, role: _Role) -> tuple[tuple[nn.Module, str, torch.Tensor, int, int], ...]:
-    if not role.check_params:
+    # Sharded when installed, or since (``fully_shard`` after ``remat.apply``: the module's class, or the
+    # model's, is FSDP2's now).
+    root = role.root() if role.root is not None else None
+    if not role.check_params or _is_fsdp(module) or (root is not None and _is_fsdp(root)):
         return ()
     if role.param_slots is None:
         role.param_slots = tuple(
@@ -1594,6 +1599,7 @@ def install(
                 tuple(spans), module.__dict__.get("forward"), name, allow_stateful, policy=policies.get(id(module))
             )
             role.check_params = not sharded
+            role.root = weakref.ref(model)
             _set_role(module, role)
             touched.append(module)
     except BaseException:

@@ -43,7 +43,7 @@ import statistics
 import sys
 import time
 from bisect import bisect_right
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,8 +88,9 @@ def device_of(model: nn.Module, inputs: Any) -> torch.device:
 
 
 def call_model(model: nn.Module, inputs: Any) -> Any:
-    """Call ``model`` on ``inputs``: a tensor (``model(x)``), a tuple/list (``model(*x)``) or a dict (``model(**x)``)."""
-    if isinstance(inputs, dict):
+    """Call ``model`` on ``inputs``: a tensor (``model(x)``), a tuple/list (``model(*x)``) or a dict, or any
+    mapping such as HF's ``BatchEncoding`` (``model(**x)``)."""
+    if isinstance(inputs, Mapping):
         return model(**inputs)
     if isinstance(inputs, (tuple, list)):
         return model(*inputs)

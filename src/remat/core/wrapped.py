@@ -7,7 +7,10 @@ module (``ddp.module``), so these buffers are not charged as activations; ``rema
 takes a plan made on the unwrapped model and applies it to ``ddp.module`` (``remat.remove(ddp)`` and
 ``remat.applied(ddp)`` look there too). FSDP2's ``fully_shard`` changes modules in place, keeping their
 names; ``remat.blocks.fingerprint`` hashes the classes they had before sharding and the parameters'
-global shapes, so a plan made before sharding fits the sharded model.
+global shapes, so a plan made before sharding fits the sharded model. A ``DistributedDataParallel``
+with ``static_graph=True`` is not profiled through: the profile's backwards run outside DDP's forward
+and its static-graph reducer counted them as training steps (the ranks' weights then drifted apart,
+silently, helper-47); profile the model before wrapping it (``refuse_static_graph``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["active", "rank", "unwrap"]
+__all__ = ["active", "rank", "refuse_static_graph", "unwrap"]
 
 
 def active() -> bool:
@@ -37,3 +40,19 @@ def unwrap(model: nn.Module) -> nn.Module:
     while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         model = model.module
     return model
+
+
+def refuse_static_graph(model: nn.Module, where: str) -> None:
+    """Raise a :class:`~remat.errors.RematError` if ``model`` is (or wraps) a ``DistributedDataParallel`` with
+    ``static_graph=True`` (NOTE [ Wrapped models ])."""
+    from remat.errors import RematError
+
+    while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        if getattr(model, "static_graph", False):
+            raise RematError(
+                f"{where}: the model is a DistributedDataParallel with static_graph=True, whose reducer counts every "
+                "backward through its parameters as a training step: the profile's own backwards would put its "
+                "ranks out of step and training would go wrong silently; profile the model before wrapping it "
+                "(remat.profile(model, ...), then remat.apply(ddp, plan)), or wrap it without static_graph"
+            )
+        model = model.module

@@ -29,7 +29,7 @@ from torch import nn
 
 from remat.apply import apply, remove
 from remat.core.trace import device_of
-from remat.core.wrapped import unwrap
+from remat.core.wrapped import refuse_static_graph, unwrap
 from remat.errors import MissingExtraError, RematError
 from remat.plan import Plan, plan
 from remat.profile import profile
@@ -62,6 +62,9 @@ def enable(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     solver: str = "optimal",
     repeats: int = 3,
+    optimizer: Any = None,
+    grads: str = "none",
+    ops: bool = True,
 ) -> Plan:
     """Profile ``model`` on a sample batch, plan for ``budget`` and apply the plan, in place.
 
@@ -86,6 +89,13 @@ def enable(
         solver: A name in ``SOLVERS`` (``from remat.plan import SOLVERS``): ``"optimal"``, ``"knapsack"`` or
             ``"compile"`` (see ``remat.plan``).
         repeats: Timed steps of the profile, >= 1.
+        optimizer: The optimizer whose ``step()`` ends each training step, or a factory of one
+            (``torch.optim.AdamW``), as ``remat.profile`` takes it: its state and step count in the budget
+            (without it, an AdamW loop peaked 1.05-1.13x the budget where every block was kept).
+        grads: ``"none"`` or ``"held"``, as ``remat.profile`` takes it (gradients set to ``None`` before
+            each step, ``optimizer.zero_grad()``'s default, or zeroed in place).
+        ops: Offer op-level policies (``False``: plans without them, for a loop that backpropagates twice
+            through a block: ``retain_graph``, a gradient penalty).
 
     Returns:
         The plan now applied.
@@ -94,6 +104,7 @@ def enable(
         RematError: If HF's own checkpointing is on, the batch is not a mapping, or the model returns no
             loss; ``BudgetInfeasibleError`` if no plan fits the budget.
     """
+    refuse_static_graph(model, "hf.enable")
     inner = unwrap(model)
     if inner is not model:
         log.info("hf.enable: profiling the %s's module, not the wrapper", type(model).__name__)
@@ -127,7 +138,9 @@ def enable(
     modes = [(m, m.training) for m in inner.modules()]
     inner.train()
     try:
-        prof = profile(inner, inputs, loss_fn or _model_loss, repeats=repeats)
+        prof = profile(
+            inner, inputs, loss_fn or _model_loss, repeats=repeats, optimizer=optimizer, grads=grads, ops=ops
+        )
     finally:
         for m, training in modes:
             m.training = training

@@ -35,7 +35,7 @@ from remat.core.trace import (
     record_memory,
     train_step,
 )
-from remat.core.wrapped import unwrap
+from remat.core.wrapped import refuse_static_graph, unwrap
 from remat.errors import BlockSelectionError, RematError, higher_order_refused
 from remat.profile.ops import EXTERNAL, BlockOps, profile_ops
 from remat.profile.twins import pool_twins, twin_groups
@@ -291,6 +291,18 @@ def _disturbed(
     )
 
 
+def _all_ranks_agree(done: bool, dev: torch.device) -> bool:
+    """Under a process group of several ranks, stop retiming only where every rank is done: a rank that
+    times one more step alone would run collectives (FSDP2's all-gathers) no other rank joins."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return done
+    flag = torch.tensor([0 if done else 1], device=dev if dist.get_backend() != "gloo" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return not bool(flag.item())
+
+
 def _usable(runs: list[list[tuple[str, int, int]]]) -> bool:
     """Whether a configuration has an undisturbed iteration to time it by: one that did not learn, or,
     where every one learned, one of those (NOTE [ Learning calls are not timed ])."""
@@ -348,6 +360,7 @@ def profile(
     if repeats < 1 or warmup < 1:
         raise RematError(f"profile: repeats={repeats} and warmup={warmup} must both be >= 1")
 
+    refuse_static_graph(model, "profile")
     if unwrap(model) is not model:  # DDP: its buckets are not activations; plans fit the module and the wrapper
         log.info("profile: profiling the wrapper's .module")
         model = unwrap(model)
@@ -425,7 +438,7 @@ def profile(
                             events, runs["plain"], n, full=name == "full"
                         ):
                             events.append(("disturbed", 0, 0))
-                    if _usable(runs[name]) or retime == _RETIMES:
+                    if _all_ranks_agree(_usable(runs[name]) or retime == _RETIMES, dev):
                         break
                     log.info("profile: the %s iterations were disturbed; timing one more", name)
                     runs[name].append(_timed_step(it, block_list, members, configs[name], dev, reuse))
