@@ -90,12 +90,42 @@ def run(kind: str, use_remat: bool, rank: int) -> list[torch.Tensor]:
     return out
 
 
+def retime(rank: int) -> str:
+    """Every rank profiles an FSDP2 model; rank 0 finds each of its checkpointed iterations disturbed (as a
+    busy machine makes them look), so it retimes (NOTE [ Disturbed iterations ]). A rank that timed one more
+    step alone ran all-gathers no other rank joined: gloo aborted the run (NCCL would hang)."""
+    import importlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    profiler = importlib.import_module("remat.profile.profiler")
+    if rank == 0:
+        profiler._disturbed = lambda *args, **kwargs: True  # type: ignore[attr-defined]
+    torch.manual_seed(0)
+    model = Net()
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    prof = remat.profile(model, torch.randn(16, 8), lambda y: y.pow(2).mean(), repeats=2, ops=False, progress=False)
+    try:
+        remat.plan(prof, budget="60%")  # collective: it would meet the other rank's extra all-gathers
+    except remat.BudgetInfeasibleError:
+        pass
+    return "profiled"
+
+
 def main() -> int:
     kind, rank, world, port, out_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     # No destroy_process_group at the end: with gloo it can wait for a peer that has already exited (a
     # hang seen under load); the caller's os._exit ends the process and its connections.
+    if kind == "fsdp-retime":
+        with open(out_path, "w") as f:
+            f.write(retime(rank))
+        return 0
     plain = run(kind, False, rank)
     ckpt = run(kind, True, rank)
     equal = len(plain) == len(ckpt) and all(torch.equal(a, b) for a, b in zip(plain, ckpt))
