@@ -853,3 +853,50 @@ def test_a_list_of_lists_of_one_layer_gives_the_layers_never_the_lists() -> None
     assert [b.name for b in remat.blocks(model)] == ["stages.0.0", "stages.1.0", "stages.2.0"]
     x = torch.randn(4, 8)
     assert remat.check_gradients(model, remat.full(), x, lambda y: y.sum()).equal
+
+
+class _MoE(nn.Module):
+    """A top-2 MoE feed-forward: a router with one output per expert, the experts in a ModuleList."""
+
+    def __init__(self, d: int = 16, n: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, n)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(n)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.router(x).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            if rows.numel():
+                out = out.index_add(0, rows, expert(x[rows]) * weights[rows, slot, None])
+        return out
+
+
+class _MoELayer(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.moe = _MoE(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.moe(x)
+
+
+def test_moe_experts_beside_their_router_are_no_stack_the_layers_are_the_blocks() -> None:
+    # The experts hold most of the weights; they were chosen as blocks, and an expert that gets no token
+    # does not run, which the profile refuses (helper-46, NLLB-MoE).
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_MoELayer() for _ in range(4)))
+    assert [b.name for b in remat.blocks(model)] == ["0", "1", "2", "3"]
+    x = torch.randn(32, 16)
+    prof = remat.profile(model, x, lambda y: y.square().mean(), repeats=1, progress=False)
+    try:
+        plan = remat.plan(prof, "1%")
+    except remat.BudgetInfeasibleError as e:
+        plan = remat.plan(prof, e.min_peak_bytes)
+    assert plan.checkpointed, plan.describe()
+    assert remat.check_gradients(model, plan, x, lambda y: y.square().mean()).equal

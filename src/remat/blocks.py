@@ -600,6 +600,11 @@ class _Stacks:
     def cover(self, module: nn.Module, prefix: str) -> list[str]:
         """The FQNs of the blocks below ``module``, in forward order (NOTE [ Every stack ])."""
         children = list(module.named_children())
+        # A MoE's experts are no stack: a router (a Linear with one output per expert) beside them sends each
+        # token to some of them, so an expert runs on a part of the batch, or not at all (the profile refused
+        # such blocks; the layers holding them are the blocks).
+        routers = _router_widths(children) if prefix else set()  # not the root's: a head with n classes
+        children = [(name, child) for name, child in children if not _experts(child, routers)]
         runs: list[list[tuple[str, nn.Module]]] = []
         for name, child in children:
             last = runs[-1][-1][1] if runs else None
@@ -611,6 +616,8 @@ class _Stacks:
         singles: list[tuple[str, nn.Module]] = []
         layered = False
         for run in runs:
+            if len(run) >= 3 and len(run) in routers:
+                continue  # experts registered directly beside their router
             if len(run) < 2:
                 singles.append(run[0])
                 continue
@@ -630,6 +637,29 @@ class _Stacks:
         if len(pieces) > 1 and all(name in mentioned for name, _ in pieces):
             pieces.sort(key=lambda p: mentioned.index(p[0]))
         return [f for _, fqns in pieces for f in fqns]
+
+
+def _router_widths(children: list[tuple[str, nn.Module]]) -> set[int]:
+    """Output widths of the Linears among ``children`` and inside them one level down (a router module's
+    classifier, NLLB-MoE's ``router.classifier``): a container of that many modules beside one is a
+    MoE's experts."""
+    out: set[int] = set()
+    for _, child in children:
+        if isinstance(child, _CONTAINERS):
+            continue
+        for m in (child, *child.children()):
+            if isinstance(m, nn.Linear):
+                out.add(m.out_features)
+    return out
+
+
+def _experts(module: nn.Module, routers: set[int]) -> bool:
+    """Whether ``module`` holds three or more modules of one kind, as many as a router beside it has outputs
+    (a ModuleList of experts, or a module of its own holding them: NLLB-MoE's ``NllbMoeExperts``)."""
+    members = [m for m in module.children() if any(True for _ in m.parameters())]  # a dropout beside them
+    return (
+        len(members) >= 3 and len(members) in routers and all(_run_key(m) == _run_key(members[0]) for m in members[1:])
+    )
 
 
 def _join(prefix: str, name: str) -> str:
@@ -780,8 +810,7 @@ def blocks(
     different children of a module in the order its ``forward`` (and the methods of its own it calls)
     calls those children, read from the source without running the model (CLIP runs its vision tower
     first though it registers it second); registration order when the source does not name them all.
-    :func:`remat.profile` runs the model and raises ``BlockSelectionError`` if the blocks ran in
-    another order; choose them with ``include=`` or ``named=`` then.
+    :func:`remat.profile` runs the model and profiles the blocks in the order they run.
 
     Each block's attention and feed-forward sub-modules (``attention_fqns``, ``ffn_fqns``, which
     ``attention_only`` and ``ffn_only`` checkpoint one by one as whole modules) are found by structure,
