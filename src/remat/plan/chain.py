@@ -180,6 +180,9 @@ class Chain:
             does not take them); a segment going on past the block never charged them, so it holds
             ``max(0, gap_bytes + gap_freed_input_bytes + gap_freed_output_bytes)`` of that gap (default 0;
             ``BlockProfile.gap_freed_output_bytes``).
+        held_input_bwd_bytes: How much higher each block's backward peaks when a segment over it holds its
+            inputs to its backward end, where the plain step frees some in that backward (default 0;
+            ``BlockProfile.held_input_bwd_bytes``): a segment's inner plan runs that much higher.
         released_bytes: The part of each block's negative gap that is none of the inputs a segment ending
             with it holds: freed under the segment too (default 0; see :func:`_released`).
         pending_grad_bytes: Bytes of activation gradients pending when each block's backward starts (the
@@ -238,6 +241,7 @@ class Chain:
     grad_bytes: tuple[int, ...] = ()
     joinable: tuple[bool, ...] = ()
     late_inputs: tuple[tuple[int, int, int, tuple[int, ...]], ...] = ()
+    held_input_bwd_bytes: tuple[int, ...] = ()
     # Derived in __post_init__: n, and prefix sums over the blocks for segment_bytes.
     _n: int = field(init=False, repr=False, compare=False)
     _inside: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -266,6 +270,7 @@ class Chain:
             "pending_grad_bytes",
             "rng_copy_bytes",
             "grad_bytes",
+            "held_input_bwd_bytes",
         ):
             if not getattr(self, name):
                 object.__setattr__(self, name, (0,) * len(self.fwd_ms))
@@ -393,8 +398,11 @@ class Chain:
         while a segment never held it (made inside the segment: GPT-NeoX's attention output, freed by the
         attention dropout's gap). That one is on the safe side through the inner backward."""
         last = stop - 1
+        # Inputs the plain step frees inside one of its blocks' backward, which the checkpoint holds to its
+        # end (NOTE [ Inputs held to the sub-module's backward end ] in remat.profile.profiler).
+        held_bwd = sum(int(self.held_input_bwd_bytes[q]) for q in range(start, stop))
         if last == start:
-            return int(self.freed_input_bytes[start]) + self.late_replay_bytes(start, stop)
+            return int(self.freed_input_bytes[start]) + self.late_replay_bytes(start, stop) + held_bwd
         # A late input freed in the last block's gap is that block's freed_input_bytes too: counted once.
         at_last = sum(b for i, b in self.late_records(start, stop)[2] if self.late_inputs[i][2] == last)
         return (
@@ -403,6 +411,7 @@ class Chain:
             )
             + self.late_replay_bytes(start, stop)
             - min(at_last, int(self.freed_input_bytes[last]))
+            + held_bwd
         )
 
 
@@ -563,4 +572,5 @@ def chain_of(profile: Profile) -> Chain:
         joinable=joinable + (True,),
         grad_bytes=tuple(b.grad_bytes for b in bps) + (profile.head_grad_bytes,),
         late_inputs=tuple((li.nbytes, li.producer, li.freed_after, tuple(li.users)) for li in profile.late_inputs),
+        held_input_bwd_bytes=tuple(b.held_input_bwd_bytes for b in bps) + (0,),
     )

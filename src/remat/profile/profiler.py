@@ -624,6 +624,86 @@ def _pinned(
     return [(a, b, c) for a, b, c in result]
 
 
+# NOTE [ Inputs held to the sub-module's backward end ]
+# A sub-module checkpointed alone holds its inputs (as ``_SaveInputs`` in ``remat.core.runtime``) until
+# its recording is dropped, when the last op of its backward has run. The profile counts an input the
+# block saves as free to hold (``held_inputs`` charges only the others), but the plain step may free it
+# earlier, inside the sub-module's backward: SpeechT5's relative position bias (made once from a learned
+# embedding and passed to every encoder layer's attention) is saved by each attention's ``matmul`` and
+# freed when the last layer's one runs backward, before its gradient and the other layers' are summed
+# (a third bias-sized tensor): the block's backward peak. Checkpointed, the attention held the bias
+# there too: measured 1.205x the budget, the excess exactly one bias (79*79*16*4 bytes). So each input
+# that the plain step frees in the block's backward before the sub-module's saved tensors are all
+# freed (where its recording would drop it) is added to the sub-module's backward peak from where the
+# plain step freed it. The inputs its own first ops save (an attention's hidden states, saved by the
+# projections) are freed with them, not before, and charge nothing. A segment over the whole block holds
+# them the same way (R[0:1] over that layer measured the same 1.2x): ``BlockProfile.held_input_bwd_bytes``
+# is how much higher the block's backward peaks so, and a segment's inner plan runs that much higher
+# (``Chain.replay_hold_bytes``; on the safe side, its replayed forwards too). Measured per block: an input
+# that a later block of a multi-block segment frees is counted to that block's own recording's end only.
+
+
+def _late_freed_inputs(
+    lives: dict[int, list[tuple[int, int]]],
+    tracked: Probe,
+    block: int,
+    slot: int,
+    unsaved: dict[int, int],
+    saved: dict[int, int],
+    s0: int,
+    s1: int,
+    b0: int,
+    b1: int,
+) -> tuple[list[tuple[int, int]], int]:
+    """``(freed, bytes)`` of each input of sub-module ``slot`` (of ``block``) that the block saves and the
+    plain step frees in the block's backward ``[b0, b1]`` before the sub-module's recording would be dropped
+    (NOTE [ Inputs held to the sub-module's backward end ]), in the order freed; and where it is dropped."""
+
+    def freed(ptr: int, t: int) -> int | None:
+        span = next((lt for lt in lives.get(ptr, ()) if lt[0] <= t < lt[1]), None)
+        return None if span is None else span[1]
+
+    # Where the recording is dropped: the last of the sub-module's own saved tensors is freed (else b1).
+    ends = [f for f in (freed(ptr, s1) for ptr in saved) if f is not None and b0 <= f <= b1]
+    release = max(ends, default=b1)
+    out = []
+    for ptr, size in tracked.inputs[slot].items():
+        if ptr in unsaved or ptr in tracked._unlinked_storages[block]:
+            continue  # charged as held_inputs / unlinked_bytes already
+        f = freed(ptr, s0)
+        if f is not None and b0 <= f < release:
+            out.append((f, size))
+    return sorted(out), release
+
+
+def _held_windows(late: list[tuple[int, int]], release: int) -> Iterator[tuple[int, int, int]]:
+    """``(start, end, bytes held)`` from each free of ``late`` on, to ``release``: the bytes the checkpoint
+    holds there that the plain step had freed."""
+    held = 0
+    for k, (f, size) in enumerate(late):
+        held += size
+        yield f, late[k + 1][0] if k + 1 < len(late) else release, held
+
+
+def _held_input_bwd(
+    trace: MemoryTrace,
+    lives: dict[int, list[tuple[int, int]]],
+    tracked: Probe,
+    block: int,
+    f0: int,
+    f1: int,
+    b0: int,
+    b1: int,
+) -> int:
+    """How much higher block ``block``'s backward peaks when a checkpoint over it holds its inputs until its
+    recording is dropped (``BlockProfile.held_input_bwd_bytes``; NOTE [ Inputs held to the sub-module's
+    backward end ]): the inputs the plain step frees before that, held from where it frees them."""
+    saved = {k: v for k, v in tracked.saved[block].items() if k not in tracked.inputs[block]}
+    late, release = _late_freed_inputs(lives, tracked, block, block, {}, saved, f0, f1, b0, b1)
+    held = [trace.peak_between(a, b) + extra for a, b, extra in _held_windows(late, release)]
+    return max(0, max(held, default=0) - trace.peak_between(b0, b1))
+
+
 def _gaps_of(
     trace: MemoryTrace, n: int
 ) -> Iterator[tuple[int, tuple[int, int, int], dict[int, list[tuple[int, int]]]]]:
@@ -941,6 +1021,7 @@ def _assemble(
     tail_start = mt(Event.BACKWARD_END, 0, end)
     grads, head_grads, tail_grads = _grad_owners(grad_events, bwd_start, tail_start)
     sub_index = 0
+    lives = trace.lifetimes()
     profiles = []
     for i, b in enumerate(block_list):
         f0, f1 = mt(Event.FORWARD, i), mt(Event.FORWARD_END, i)
@@ -982,8 +1063,18 @@ def _assemble(
                 # and leaves saved_bytes of it; the RNG state its checkpoint holds (out of saved_bytes) is
                 # held to the block's backward end.
                 rise = trace.peak_between(s0, s1) - trace.level_at(s0) + rng_bytes
+                # NOTE [ Inputs held to the sub-module's backward end ]: the inputs the plain step frees
+                # inside the sub-module's backward, counted from where it frees them.
+                late, release = _late_freed_inputs(lives, tracked, i, slot, unsaved_inputs, saved, s0, s1, b0, b1)
+                held_at_t = sum(size for f, size in late if f <= t)
                 sub_peak = (
-                    max(trace.peak_between(t, b1), trace.level_at(t) + rise - saved_bytes) + rng_bytes - bwd_level
+                    max(
+                        trace.peak_between(t, b1),
+                        trace.level_at(t) + held_at_t + rise - saved_bytes,
+                        *(trace.peak_between(f0_, f1_) + extra for f0_, f1_, extra in _held_windows(late, release)),
+                    )
+                    + rng_bytes
+                    - bwd_level
                 )
             # And the block's forward, from the sub-module's forward end on, runs without what it saved.
             sub_end = marks.get(f"{Event.SUB_END}{sub_index}")
@@ -1027,6 +1118,7 @@ def _assemble(
                 - grads_before,
                 # The same reference at the start of its backward: the activation gradients pending then.
                 pending_grad_bytes=max(0, trace.level_at(b0) - trace.level_at(f1) - grads_before),
+                held_input_bwd_bytes=_held_input_bwd(trace, lives, tracked, i, f0, f1, b0, b1),
                 fwd_ms=ms((Event.FORWARD, i), (Event.FORWARD_END, i)),
                 bwd_ms=ms((Event.BACKWARD, i), (Event.BACKWARD_END, i)),
                 # NOTE [ Measured checkpoint costs ]: what checkpointing the block adds beyond its plain

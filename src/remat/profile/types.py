@@ -94,6 +94,10 @@ class BlockProfile:
         fwd_flops: Forward FLOPs (``torch.utils.flop_counter``).
         bwd_flops: Backward FLOPs.
         subs: Attention / FFN sub-modules of a mixed block.
+        held_input_bwd_bytes: How much higher its backward peaks when a checkpoint over it holds its inputs to
+            its backward's end: the plain step frees some in its backward (SpeechT5's position bias, freed
+            once the last layer's attention has run backward), bytes (NOTE [ Inputs held to the sub-module's
+            backward end ] in ``remat.profile.profiler``).
         output_saved_bytes: Bytes of its outputs that the block itself saves for backward (e.g. a
             final ReLU's result); the rest is not held when the block ends a recomputed region.
         ckpt_fwd_ms: Measured cost of its no-save forward under a checkpoint, every overhead of
@@ -199,6 +203,7 @@ class BlockProfile:
     gap_freed_input_bytes: int = 0
     gap_freed_output_bytes: int = 0
     backward: bool = True
+    held_input_bwd_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.own_output_bytes < 0:  # profiles written before the field existed
