@@ -833,13 +833,22 @@ class _Frame:
             ) from e
         leaves: list[Any] = []
         fresh: dict[int, torch.Tensor] = {}
+        cast_cached = torch.is_autocast_cache_enabled() and any(enabled for _, enabled, _ in call.autocast)
         for slot in call.slots:
             if slot[0] == _LINK:
                 leaves.append(outs[slot[1]][slot[2]])
             elif slot[0] == _EXT:
                 if slot[1] not in fresh:
                     t = external[slot[1]].detach()
-                    fresh[slot[1]] = t.requires_grad_(True) if slot[2] else t
+                    if slot[2]:
+                        t = t.requires_grad_(True)
+                        if cast_cached:
+                            # NOTE [ Autocast's cached weight casts ] in remat.core.probe: autocast caches the
+                            # cast of a leaf that requires grad until its outermost region exits, and the cast's
+                            # graph holds the leaf: each replay would leave both behind (BERT: 36 KiB a layer).
+                            # A view of the leaf is not cached, and autograd saves as from the leaf.
+                            t = t.view_as(t)
+                    fresh[slot[1]] = t
                 leaves.append(fresh[slot[1]])
             else:
                 value, snap = slot[1], slot[2]
