@@ -68,7 +68,8 @@ and the global hook dicts hold (``_Call.hooks``): a hook registered only around 
 or removed before the backward, is put as it was for the replay (its own hooks never run again; its
 sub-modules' do, as under torch's checkpoint, so a hook with side effects sees the replay too, one
 removed since included: a feature collector closed after the forward is called in the backward).
-Globals, objects' attributes and tensors other code changes are not seen. A member that edits one of its tensor
+Globals and objects' attributes other code changes are not seen; tensors are (NOTE [ Saved tensors
+edited before the backward ] in ``remat.core.versions``). A member that edits one of its tensor
 arguments in place is refused (its replay would edit it again). On the learning call a refusal puts
 back every buffer, argument and the RNG state first.
 Random draws follow the same scheme. The default generators' states are recorded per call (above):
@@ -99,7 +100,7 @@ import random
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,12 +108,13 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import tree_leaves, tree_unflatten
 
 from remat.core.ops import Keep, Op, Recompute, RecomputeOps, RecomputeSub
 from remat.core.probe import made_since, restored_buffer, sequence_mark
-from remat.core.selective import run_selective
+from remat.core.selective import run_selective, saves_recorded
 from remat.core.tree import flatten, leaves, output_leaves
+from remat.core.versions import Saved, edited_since, note_saved
 from remat.core.wrapped import unwrap
 from remat.errors import RematError, higher_order_refused
 
@@ -197,13 +199,17 @@ class _Role:
     # Where its modules' plain attributes are, (sub-module, name), found on its first call: each call
     # records their values there (_plain_attrs), a few microseconds instead of a walk over every attribute.
     plain_names: tuple[tuple[nn.Module, str], ...] | None = None
+    # The tensors its learning call read that it neither made nor was given (a global, a tensor attribute
+    # that is not a buffer), weakly: each call notes their versions (NOTE [ Saved tensors edited before the
+    # backward ] in remat.core.versions).
+    reads: tuple[weakref.ref[torch.Tensor], ...] = ()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         # Learned again after loading.
         state["learned"], state["stateful"], state["norms"], state["generators"] = False, frozenset(), None, ()
         state["param_slots"], state["py_rng"], state["attrs"], state["plain_names"] = None, False, (), None
-        state["root"] = None
+        state["root"], state["reads"] = None, ()
         return state
 
 
@@ -521,19 +527,56 @@ def _default_generators() -> set[int]:
 
 class GeneratorWatch(TorchDispatchMode):
     """Finds the generators other than the default ones that ops draw from, with each one's state before
-    its first draw (the learning call of NOTE [ State under recomputation ])."""
+    its first draw (the learning call of NOTE [ State under recomputation ]), and the tensors the call
+    reads that it neither made nor was given (NOTE [ Saved tensors edited before the backward ] in
+    ``remat.core.versions``): none of ``known`` (its arguments, parameters and buffers), none that an op
+    of the call wrote before reading (a workspace it fills)."""
 
-    def __init__(self) -> None:
+    def __init__(self, known: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
         self.defaults = _default_generators()
         self.found: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+        self.known = {id(t) for t in known}
+        self.made: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.reads: dict[int, weakref.ref[torch.Tensor]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         gen = kwargs.get("generator")
         if isinstance(gen, torch.Generator) and id(gen) not in self.defaults and id(gen) not in self.found:
             self.found[id(gen)] = (gen, gen.get_state())
-        return func(*args, **kwargs)
+        written = _written(func, args, kwargs)
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and id(t) not in self.known and id(t) not in self.reads:
+                made = self.made.get(id(t))
+                if made is None or made() is not t:
+                    if id(t) in written:
+                        self.known.add(id(t))  # filled by the call before any read: not an input
+                    else:
+                        self.reads[id(t)] = weakref.ref(t)
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.made[id(t)] = weakref.ref(t)
+        return out
+
+
+def _written(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> set[int]:
+    """Ids of the tensors an op writes into (in-place ops, ``out=``), from its schema."""
+    out: set[int] = set()
+    try:
+        arguments = func._schema.arguments
+    except AttributeError:
+        return out
+    for i, arg in enumerate(arguments):
+        alias = arg.alias_info
+        if alias is None or not alias.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        for t in tree_leaves(value):
+            if isinstance(t, torch.Tensor):
+                out.add(id(t))
+    return out
 
 
 def _digest(state: torch.Tensor) -> bytes:
@@ -642,6 +685,9 @@ class _Call:
     # replayed as it was (torch's AccumulateGrad then skips it, as in the plain backward); frozen in the
     # replay, its ops would save other tensors than the forward's.
     grads: tuple[tuple[torch.Tensor, bool], ...] = ()
+    # The tensors of _Role.reads with their versions at the end of the call (NOTE [ Saved tensors edited
+    # before the backward ] in remat.core.versions).
+    reads: tuple[Saved, ...] = ()
 
 
 class _Frame:
@@ -653,6 +699,8 @@ class _Frame:
         self.holders: list[weakref.ref[_Holder]] = []
         self.meta: list[tuple[Any, ...]] = []
         self.owner: list[int] = []
+        # Each saved tensor, weakly, with its version when saved (NOTE [ Saved tensors edited before the backward ]).
+        self.versions: list[Saved] = []
         # id -> (call, leaf, the tensor, its version, made by that call: NOTE [ In-place edits of a member's output ])
         self.outs: dict[int, tuple[int, int, weakref.ref[torch.Tensor], int, bool]] = {}
         self.recomputed: dict[int, weakref.WeakKeyDictionary[_Handle, torch.Tensor]] = {}
@@ -731,6 +779,7 @@ class _Frame:
             self.holders.append(weakref.ref(holder))
             self.meta.append(_meta(t))
             self.owner.append(index)
+            self.versions.append(note_saved(t))
             return holder
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self.unpack):
@@ -763,7 +812,7 @@ class _Frame:
         pack = _replay_pack(weakref.ref(self), gid)
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, _identity), torch.enable_grad():
-                self._run_calls()
+                self._run_calls(self._edited_saves())
         except _Stop:
             pass
         self.done.add(gid)
@@ -774,7 +823,24 @@ class _Frame:
                 "(Python state changed?); keep these blocks (a plan that does not recompute them)"
             )
 
-    def _run_calls(self) -> None:
+    def _edited_saves(self) -> dict[int, torch.Tensor]:
+        """The first saved tensor of each call that was edited in place since it was saved, by call index
+        (NOTE [ Saved tensors edited before the backward ])."""
+        edited: dict[int, torch.Tensor] = {}
+        for entry, owner in zip(self.versions, self.owner):
+            if owner not in edited:
+                call = self.calls[owner]
+                t = _first_edited((entry,), call.module, call.role)
+                if t is not None:
+                    edited[owner] = t
+        for owner, call in enumerate(self.calls):
+            if call.reads and owner not in edited:
+                t = _first_edited(call.reads, call.module, call.role)
+                if t is not None:
+                    edited[owner] = t
+        return edited
+
+    def _run_calls(self, edited: dict[int, torch.Tensor] | None = None) -> None:
         outs: dict[int, list[Any]] = {}
         previous_scope = _LOCAL.scope
         _LOCAL.scope = {}  # inner spans record afresh, as in the forward
@@ -789,6 +855,8 @@ class _Frame:
                 last_use = self._last_uses()
                 for index, call in enumerate(self.calls):
                     args, kwargs = self._arguments(call, outs)
+                    if edited and index in edited:
+                        raise _edited_error(call.role.name, edited[index])
                     call.rng.set()
                     if call.py_rng is not None:
                         _set_py_states(call.py_rng)
@@ -866,6 +934,54 @@ class _Frame:
 
 def _identity(t: Any) -> Any:
     return t
+
+
+# NOTE [ Saved tensors edited before the backward ] in remat.core.versions.
+def _edited_error(name: str, t: torch.Tensor) -> RematError:
+    return RematError(
+        f"apply: a tensor that module {name!r} used in its forward (shape {tuple(t.shape)}, {t.dtype}), not one of "
+        "its arguments, parameters or buffers, was edited in place after the forward and before the backward (a "
+        "global, a tensor attribute that is not a buffer, an output edited by later code), so its recomputation "
+        "would compute with other values than the forward did (where the forward saved it, the plain model's "
+        "backward fails too: 'modified by an inplace operation'); edit it after the backward, or keep this "
+        "block (a plan that does not recompute it)"
+    )
+
+
+def _fsdp_managed(module: nn.Module, role: _Role) -> bool:
+    root = role.root() if role.root is not None else None
+    return _is_fsdp(module) or (root is not None and _is_fsdp(root))
+
+
+def _first_edited(saved: Iterable[Saved], module: nn.Module, role: _Role) -> torch.Tensor | None:
+    """The first tensor of ``saved`` edited in place since (``remat.core.versions.edited_since``), other than
+    a parameter or a buffer of ``module``, which remat checks or restores itself."""
+    edited = edited_since(saved)
+    if not edited or _fsdp_managed(module, role):  # FSDP2 gathers parameters again
+        return None
+
+    buffers = list(module.buffers())
+    for t in edited:
+        base = t._base if t._base is not None else t
+        if isinstance(t, nn.Parameter) or isinstance(base, nn.Parameter):
+            continue  # _swap_in_params
+        if any(b is t or b is base for b in buffers):
+            continue  # restored around the replay, or refused (NOTE [ State under recomputation ])
+        return t
+    return None
+
+
+def _known(module: nn.Module, flat: Sequence[Any]) -> list[torch.Tensor]:
+    """What a learning call may read without it being a read of its own (GeneratorWatch): its tensor
+    arguments, its modules' parameters and buffers."""
+    known = [t for t in flat if isinstance(t, torch.Tensor)]
+    return known + list(module.parameters()) + list(module.buffers())
+
+
+def _note_reads(role: _Role) -> tuple[Saved, ...]:
+    if not role.reads:
+        return ()
+    return tuple(note_saved(t) for t in (ref() for ref in role.reads) if t is not None)
 
 
 def _replay_pack(frame_ref: weakref.ref[_Frame], gid: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -990,8 +1106,7 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 def _param_refs(module: nn.Module, role: _Role) -> tuple[tuple[nn.Module, str, torch.Tensor, int, int], ...]:
     # Sharded when installed, or since (``fully_shard`` after ``remat.apply``: the module's class, or the
     # model's, is FSDP2's now).
-    root = role.root() if role.root is not None else None
-    if not role.check_params or _is_fsdp(module) or (root is not None and _is_fsdp(root)):
+    if not role.check_params or _fsdp_managed(module, role):
         return ()
     if role.param_slots is None:
         role.param_slots = tuple(
@@ -1227,7 +1342,7 @@ _SAC_ERRORS = ("backward an extra time", "not found in storage")
 
 
 def _guarded_recompute(
-    module: nn.Module, role: _Role, attrs: tuple[tuple[nn.Module, str, Any], ...]
+    module: nn.Module, role: _Role, attrs: tuple[tuple[nn.Module, str, Any], ...], saved: list[Saved]
 ) -> Callable[..., Any]:
     """The block's forward for :func:`run_selective`: in the recomputation, first checks that no sub-module
     changed train/eval mode and no parameter ``requires_grad`` since the forward (either changes which ops
@@ -1254,7 +1369,11 @@ def _guarded_recompute(
                 snap = None if isinstance(leaf, torch.Tensor) else _snapshot(leaf)
                 if snap is not None:
                     seen.append((leaf, snap))
-            return forward(*args, **kwargs)
+            with saves_recorded(saved):
+                return forward(*args, **kwargs)
+        edited = _first_edited(saved, module, role)
+        if edited is not None:
+            raise _edited_error(role.name, edited)
         for leaf, then in seen:
             if not then.same(leaf):
                 raise RematError(
@@ -1317,11 +1436,12 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
     if role.learned and role.learned_training != module.training:
         role.learned = False  # NOTE [ State under recomputation ]: a mode change learns again
     buffers = [(name, b, b._version) for name, b in module.named_buffers()]
-    watch = GeneratorWatch() if not role.learned else contextlib.nullcontext()
+    watch = GeneratorWatch(_known(module, leaves((args, kwargs)))) if not role.learned else contextlib.nullcontext()
     py_before = _py_states() if not role.learned else None
     attrs = _attr_values(module, role)
+    saved: list[Saved] = []  # NOTE [ Saved tensors edited before the backward ] in remat.core.versions
     with watch, higher_order_refused(f"apply: module {role.name!r}", _HOP_FIX):
-        out = run_selective(_guarded_recompute(module, role, attrs), args, kwargs, role.policy)
+        out = run_selective(_guarded_recompute(module, role, attrs, saved), args, kwargs, role.policy)
     if not role.learned:
         role.attrs = tuple((sub, name) for sub, name, _ in _attrs_changed(attrs))
     if py_before is not None and _py_drew(py_before):
@@ -1341,6 +1461,8 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
                 "policies for such blocks)"
             )
         role.learned, role.learned_training = True, module.training
+        role.reads = tuple(watch.reads.values())
+    saved.extend(_note_reads(role))
     changed = [name for name, b, version in buffers if b._version != version]
     if changed:
         # Its recomputation in the backward would update them a second time: refuse before that happens
@@ -1388,7 +1510,7 @@ def _invoke(
     params = _param_refs(module, role)
     sums = _param_sums(params) if not role.learned else []
     py_before = _py_states() if not role.learned or role.py_rng else None  # 50 us: learned on the first call
-    watch = GeneratorWatch() if not role.learned else None
+    watch = GeneratorWatch(_known(module, flat)) if not role.learned else None
     mark = sequence_mark()
     with contextlib.ExitStack() as stack:
         recorded: list[tuple[_Frame, int]] = []
@@ -1422,6 +1544,8 @@ def _invoke(
     role.py_rng = role.py_rng or py_rng is not None
     if watch is not None:
         role.generators = tuple(gen for gen, _ in watch.found.values())
+        role.reads = tuple(watch.reads.values())
+    reads = _note_reads(role)
     end_rng = _digest(torch.get_rng_state()) if any(pos + 1 < span.size for span, pos in spans) else None
     if (
         _LOCAL.last_rng is not None
@@ -1434,6 +1558,7 @@ def _invoke(
         frame.calls[index].params = params
         frame.calls[index].py_rng = py_rng
         frame.calls[index].attrs = guard.attrs
+        frame.calls[index].reads = reads
         frame.record_output(index, out, mark)
         frame.end_rng = end_rng if position + 1 < span.size else None  # the last member: no call follows
     return out

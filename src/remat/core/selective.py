@@ -44,9 +44,11 @@ A plan keeps a block under an op-level policy with ``RecomputeOps(index, save, r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -54,10 +56,43 @@ from torch.utils._pytree import tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from remat.core.tree import flatten
+from remat.core.versions import Saved, note_saved
 
-__all__ = ["IGNORED_OPS", "OpKeys", "op_name", "ops_in_words", "run_selective"]
+__all__ = ["IGNORED_OPS", "OpKeys", "op_name", "ops_in_words", "run_selective", "saves_recorded"]
 
 log = logging.getLogger(__name__)
+
+_LOCAL = threading.local()
+
+
+def _metadata(x: torch.Tensor) -> dict[str, Any]:
+    """torch's default determinism metadata of a saved tensor; inside :func:`saves_recorded`, also notes
+    the tensor (weakly) with its version (NOTE [ Saved tensors edited before the backward ] in
+    ``remat.core.versions``: torch's checkpoint calls this for every tensor it drops in the forward)."""
+    saved = getattr(_LOCAL, "saved", None)
+    if saved is not None:
+        saved.append(note_saved(x))
+    return {"shape": x.shape, "dtype": x.dtype, "device": x.device}
+
+
+# torch's checkpoint takes its metadata function by name from this table (since torch 2.1); without it
+# the default check runs and nothing is noted.
+_CHECKS: dict[str, Any] | None = getattr(torch.utils.checkpoint, "_allowed_determinism_checks_to_fns", None)
+if _CHECKS is not None:
+    _CHECKS["remat"] = _metadata
+_DETERMINISM = "remat" if _CHECKS is not None else "default"
+
+
+@contextlib.contextmanager
+def saves_recorded(saved: list[Saved]) -> Iterator[None]:
+    """Note in ``saved`` every tensor that a :func:`run_selective` region started inside drops in its forward."""
+    previous = getattr(_LOCAL, "saved", None)
+    _LOCAL.saved = saved
+    try:
+        yield
+    finally:
+        _LOCAL.saved = previous
+
 
 IGNORED_OPS: frozenset[Any] = frozenset(
     getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", None) or {torch.ops.aten.detach.default}
@@ -157,6 +192,7 @@ def run_selective(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[s
         use_reentrant=False,
         preserve_rng_state=True,
         context_fn=functools.partial(_contexts, save, keys),
+        determinism_check=_DETERMINISM,
     )
     forward = keys[False]
     if forward:  # the policy ran (it does not without grad)

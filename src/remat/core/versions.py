@@ -1,0 +1,72 @@
+"""Saved tensors edited in place between the forward and the backward.
+
+# NOTE [ Saved tensors edited before the backward ]
+Autograd checks every tensor it saves against its version counter: one edited in place between the
+forward and the backward (a global, a tensor attribute that is not a buffer, a block's output that later
+code edits) makes the plain backward raise "modified by an inplace operation". A recomputation reads
+such a tensor again instead, edited: its gradients differed from the plain model's, silently (a global
+scale doubled before ``backward()``). A tensor the forward reads without saving it (``tanh(fc(x) +
+shift)``) is worse: the plain backward never looks at it and is right, the replay adds the edited shift.
+So every recording of a recomputed region notes each tensor it drops in the forward, weakly, with its
+version then (:func:`note_saved`: remat's span hooks, and torch's checkpoint under an op-level policy
+through its determinism-check metadata), and, at the end of each call, the tensors the member's first
+call read from outside (``GeneratorWatch`` in ``remat.core.runtime``, a dispatch mode on that call
+only: none made by the call, none of its arguments, parameters or buffers, none an op of the call
+wrote before reading); a replay first asks :func:`edited_since` of those still alive: one whose
+version moved is a ``RematError`` naming the member. Arguments have their own check (autograd's,
+through ``_SaveInputs``). Not seen: a tensor read without being saved that is another object on
+each call than on the first (a tensor the model's code makes anew each step and hands over in an
+attribute).
+
+Two kinds of in-place writes are not edits. remat's own: a nested plan's outer replay runs the inner
+members again, and a member that writes into a tensor of its own before using it (a workspace) moves
+its version before the inner recording replays; so the version compared is also the one the tensor had
+when any recording last saved it (the outer replay's inner recording saves it again). And state remat
+restores or checks itself: parameters (``_swap_in_params``; FSDP2 gathers them again) and the member's
+buffers (running statistics, restored around each replay: NOTE [ State under recomputation ]); callers
+leave those out.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["Saved", "edited_since", "note_saved"]
+
+Saved = tuple["weakref.ref[torch.Tensor]", int]
+
+# id(tensor) -> (a weak reference to it, its version when a recording last saved it).
+_LAST: dict[int, Saved] = {}
+
+
+def _forget(key: int, ref: weakref.ref[torch.Tensor]) -> None:
+    entry = _LAST.get(key)
+    if entry is not None and entry[0] is ref:  # not a newer tensor at the same id
+        del _LAST[key]
+
+
+def note_saved(t: torch.Tensor) -> Saved:
+    """Note that a recording saved ``t`` now; returns what :func:`edited_since` takes."""
+    key = id(t)
+    ref = weakref.ref(t, lambda r, key=key: _forget(key, r))  # type: ignore[misc]
+    entry = (ref, t._version)
+    _LAST[key] = entry
+    return entry
+
+
+def edited_since(saved: Iterable[Saved]) -> list[torch.Tensor]:
+    """The tensors of ``saved`` still alive whose version moved since the save and since any recording
+    last saved them (NOTE [ Saved tensors edited before the backward ])."""
+    out = []
+    for ref, version in saved:
+        t = ref()
+        if t is None or t._version == version:
+            continue
+        last = _LAST.get(id(t))
+        if last is not None and last[0]() is t and last[1] == t._version:
+            continue  # saved again since, by a replay's recording (a nested plan)
+        out.append(t)
+    return out

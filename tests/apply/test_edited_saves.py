@@ -1,0 +1,166 @@
+"""A tensor a recomputed block saved, edited in place before the backward (NOTE [ Saved tensors edited before
+the backward ] in remat.core.runtime): the plain backward raises, remat's must too, never recompute with it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.core.ops import Keep, Op, Recompute, RecomputeOps
+from remat.plan.types import Plan
+
+SCALE = torch.tensor([1.5, 2.0, 0.5, 1.0])  # a global the blocks read
+
+
+class Scaled(nn.Module):
+    """``tanh(fc(x)) * s``: the product saves ``s``, a global or a tensor attribute that is not a buffer."""
+
+    def __init__(self, source: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.source = source
+        self.scale = torch.tensor([1.5, 2.0, 0.5, 1.0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x)) * (SCALE if self.source == "global" else self.scale)
+
+
+def _plans(kind: str) -> tuple[Op, ...]:
+    if kind == "segment":
+        return (Recompute(0, 4, (Keep(0), Keep(1), Keep(2), Keep(3))),)
+    if kind == "nested":
+        return (Recompute(0, 4, (Keep(0), Recompute(1, 3, (Keep(1), Keep(2))), Keep(3))),)
+    # Op-level policies, one caching nothing, one caching the matmul.
+    return tuple(RecomputeOps(i, ("addmm#0",) if i % 2 else ()) for i in range(4))
+
+
+def _step(model: nn.Module, x: torch.Tensor, edit: bool) -> list[torch.Tensor]:
+    out = model(x)
+    scales = [SCALE] if model[0].source == "global" else [b.scale for b in model]
+    if edit:
+        for s in scales:
+            s.mul_(2)  # other code, between the forward and the backward
+    try:
+        out.pow(2).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+    finally:
+        if edit:
+            for s in scales:
+                s.div_(2)
+        model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("kind", ["segment", "nested", "policies"])
+@pytest.mark.parametrize("source", ["global", "attribute"])
+def test_a_saved_tensor_edited_before_the_backward_is_a_remat_error_as_the_plain_backward_fails(
+    source: str, kind: str
+) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[Scaled(source) for _ in range(4)])
+    x = torch.randn(8, 4)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _step(plain, x, edit=True)  # the oracle: autograd's own version check
+    model = copy.deepcopy(plain)
+    remat.apply(model, Plan(strategy="by hand", blocks=tuple(remat.blocks(model)), ops=_plans(kind)))
+    with pytest.raises(remat.RematError, match=r"used in its forward .* edited in place after the forward"):
+        _step(model, x, edit=True)  # before: gradients computed with the doubled scale, silently
+    for a, b in zip(_step(model, x, edit=False), _step(plain, x, edit=False)):
+        assert torch.equal(a, b)
+
+
+class Workspace(nn.Module):
+    """Writes its input into a tensor of its own (not a buffer) and computes from it: each call, replays too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.ws = torch.zeros(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ws.copy_(x.detach())
+        return torch.tanh(self.fc(x)) * self.ws
+
+
+@pytest.mark.parametrize("kind", ["segment", "nested", "policies"])
+def test_a_tensor_the_block_itself_writes_again_in_its_replay_is_no_edit(kind: str) -> None:
+    # The replay's own write moves the version after the check: only edits between the forward and the
+    # replay count, so this recomputes as before, bitwise.
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[Workspace() for _ in range(4)])
+    x = torch.randn(8, 4)
+    model = copy.deepcopy(plain)
+    ops = _plans(kind) if kind != "policies" else tuple(RecomputeOps(i, ()) for i in range(4))
+    remat.apply(model, Plan(strategy="by hand", blocks=tuple(remat.blocks(model)), ops=ops))
+    for _ in range(2):
+        for a, b in zip(_step_plain(model, x), _step_plain(plain, x)):
+            assert torch.equal(a, b)
+
+
+def _step_plain(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    model(x).pow(2).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_running_statistics_updated_by_a_second_call_before_the_backward_are_no_edit() -> None:
+    # A siamese step through BatchNorm: the second call updates the statistics the first saved; remat
+    # restores them around each replay (NOTE [ State under recomputation ]), as before.
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()) for _ in range(3)])
+    a, b = torch.randn(8, 4), torch.randn(8, 4)
+    model = copy.deepcopy(plain)
+    segment = (Recompute(0, 3, (Keep(0), Keep(1), Keep(2))),)
+    remat.apply(model, Plan(strategy="by hand", blocks=tuple(remat.blocks(model)), ops=segment))
+
+    def step(m: nn.Module) -> list[torch.Tensor]:
+        (m(a) - m(b)).pow(2).sum().backward()
+        grads = [p.grad.clone() for p in m.parameters()] + [t.clone() for t in m.buffers()]
+        m.zero_grad(set_to_none=True)
+        return grads
+
+    for u, v in zip(step(model), step(plain)):
+        assert torch.equal(u, v)
+
+
+SHIFT = torch.tensor([0.5, -1.0, 0.25, 2.0])
+
+
+class Shifted(nn.Module):
+    """``tanh(fc(x) + shift)``: the add saves nothing, so the plain backward never sees an edit of ``shift``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x) + SHIFT)
+
+
+@pytest.mark.parametrize("kind", ["segment", "nested", "policies"])
+def test_a_tensor_read_but_not_saved_and_edited_before_the_backward_is_a_remat_error(kind: str) -> None:
+    # The plain backward uses the forward's tanh output and succeeds; a replay would add the edited shift.
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[Shifted() for _ in range(4)])
+    x = torch.randn(8, 4)
+    model = copy.deepcopy(plain)
+    remat.apply(model, Plan(strategy="by hand", blocks=tuple(remat.blocks(model)), ops=_plans(kind)))
+    for _ in range(3):  # the first call learns what the block reads; later calls are checked the same
+        for m in (plain, model):
+            out = m(x)
+            SHIFT.add_(1.0)
+            try:
+                if m is plain:
+                    out.pow(2).sum().backward()
+                else:
+                    with pytest.raises(remat.RematError, match=r"used in its forward .* edited in place after"):
+                        out.pow(2).sum().backward()  # before: gradients from the shifted replay, silently
+            finally:
+                SHIFT.sub_(1.0)
+                m.zero_grad(set_to_none=True)
+    for a, b in zip(_step_plain(model, x), _step_plain(plain, x)):
+        assert torch.equal(a, b)
