@@ -207,3 +207,39 @@ def test_what_a_replay_binds_to_its_modules_is_put_back_to_the_forwards(strategy
     bound = [layer.aux_loss for layer in model]
     (out.pow(2).sum() + sum(bound)).backward()
     assert all(layer.aux_loss is b for layer, b in zip(model, bound, strict=True))
+
+
+class _AuxInDict(nn.Module):
+    """Writes its auxiliary loss into a dict attribute (``self.store["aux"] = ...``), the model sums them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.store: dict[str, torch.Tensor] = {}
+        self.history: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        self.store["aux"] = h.pow(2).mean()
+        self.history.append(self.store["aux"].detach())
+        return torch.sigmoid(h)
+
+
+@pytest.mark.parametrize(
+    "strategy", [remat.full(), remat.segments(2), "policies"], ids=["full", "segments2", "policies"]
+)
+def test_what_a_replay_writes_into_its_modules_dicts_and_lists_is_put_back(strategy: remat.Strategy | str) -> None:
+    # The replay's tensor left in store["aux"] held the replay's graph to the next step (1.42x the budget).
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_AuxInDict() for _ in range(4)))
+    if strategy == "policies":
+        strategy = Plan(
+            strategy="by hand", blocks=tuple(remat.blocks(model)), ops=tuple(RecomputeOps(i, ()) for i in range(4))
+        )
+    remat.apply(model, strategy)
+    for step in range(1, 3):  # the first call after apply learns; the second is a plain call
+        out = model(torch.randn(8, 16))
+        written = [layer.store["aux"] for layer in model]
+        (out.pow(2).sum() + sum(written)).backward()
+        assert all(layer.store["aux"] is w for layer, w in zip(model, written, strict=True))
+        assert [len(layer.history) for layer in model] == [step] * 4  # one per forward, none per replay

@@ -702,3 +702,17 @@ def test_solve_respects_where_segments_may_start_and_go_as_the_brute_force_does(
         assert simulate(chain, ops).total_ms == pytest.approx(min(fitting), rel=1e-12, abs=1e-12)
     assert min_peak(chain, nested=nested) == min(full for _, full, _ in plans)
     assert _respects(chain, min_peak_plan(chain, nested=nested))
+
+
+@pytest.mark.parametrize("n", [4, 30, 100, 225, 600])
+def test_the_finer_solve_at_the_smallest_budget_fits_the_table_size_on_long_chains(n: int) -> None:
+    # A budget within rounding of the smallest peak is solved again in finer units. It took 65536 units
+    # whatever the chain: 225 split blocks of a U-Net asked numpy for 24.8 GiB (a raw MemoryError).
+    from remat.plan.solver import _TABLE_MAX_BYTES, _auto_slots, finest_slots
+
+    slots = finest_slots(n, headroom_bytes=1 << 40)
+    assert 16 * (n + 1) ** 2 * (slots + 1) <= max(_TABLE_MAX_BYTES, 16 * (n + 1) ** 2 * (_auto_slots(n) + 1))
+    assert slots >= _auto_slots(n)  # never coarser than the first solve
+    if n <= 30:
+        assert slots == 1 << 16  # short chains keep the finest units
+    assert finest_slots(n, headroom_bytes=100) == min(100, slots)  # never finer than a byte

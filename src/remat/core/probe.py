@@ -215,6 +215,8 @@ class Probe:
         # Stateful forwards (BlockProfile.stateful): buffers before each block's forward.
         self.stateful: list[tuple[str, ...]] = [()] * n
         self._buffers_before: dict[int, dict[str, tuple[torch.Tensor, int, torch.Tensor]]] = {}
+        # Mutable non-tensor arguments of each block at its call (NOTE [ Arguments changed by the call ]).
+        self._args_before: dict[int, list[tuple[Any, Any]]] = {}
         self._active: list[int] = []
         # Blocks and sub-modules that edit a tensor argument in place (a recomputation would edit it again).
         self.edits_input = [False] * (n + m)
@@ -399,6 +401,39 @@ class Probe:
 
         return hook
 
+    # NOTE [ Arguments changed by the call ]
+    # A block may change a mutable argument it is called with (Gemma 3n's decoder layers add their keys
+    # and values to a KVSharingDict that later layers read): a replay would run with the changed object
+    # and change it again, which the runtime refuses (NOTE [ Arguments changed before the replay ] in
+    # remat.core.runtime). Such a block is stateful: the profile keeps it in its checkpointed timing
+    # iterations and the plan keeps it, instead of the whole profile failing on its replay.
+    def _args_pre(self, index: int) -> Callable[..., None]:
+        def hook(_mod: nn.Module, args: Any, kwargs: Any) -> None:
+            from remat.core.runtime import _snapshot
+
+            snaps = []
+            for leaf in tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Tensor):
+                    continue
+                snap = _snapshot(leaf)
+                if snap is not None:
+                    snaps.append((leaf, snap))
+            self._args_before[index] = snaps
+
+        return hook
+
+    def _args_post(self, index: int) -> Callable[..., None]:
+        def hook(_mod: nn.Module, _args: Any, _out: Any) -> None:
+            changed = [
+                f"argument {type(leaf).__name__}"
+                for leaf, snap in self._args_before.pop(index, [])
+                if not snap.same(leaf)
+            ]
+            if changed:
+                self.stateful[index] = tuple(dict.fromkeys((*self.stateful[index], *changed)))
+
+        return hook
+
     def _pack(self, t: torch.Tensor) -> Any:
         # NOTE [ Saved outputs make cycles ]
         # A pack hook's return value is held by the graph node that saves it. When the saved tensor is
@@ -450,6 +485,8 @@ class Probe:
                 # First of all pre-hooks: a hook may update state too (spectral norm's power iteration).
                 self.handles.append(mods[0].register_forward_pre_hook(self._buffer_pre(i), prepend=True))
                 self.handles.append(mods[-1].register_forward_hook(self._buffer_post(i)))
+                self.handles.append(mods[0].register_forward_pre_hook(self._args_pre(i), with_kwargs=True))
+                self.handles.append(mods[-1].register_forward_hook(self._args_post(i), always_call=True))
                 # Any module of the block run inside the backward: the model recomputes the block itself
                 # (HF's checkpointing calls the layer's forward past the layer's own hooks).
                 for sub in {id(x): x for m in mods for x in m.modules()}.values():
@@ -472,6 +509,7 @@ class Probe:
             self._prev_out_args.clear()
             self._marks.clear()
             self._buffers_before.clear()
+            self._args_before.clear()
             for h in (*self.handles, *self.tensor_handles):
                 h.remove()
             self.handles.clear()

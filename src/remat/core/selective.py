@@ -48,6 +48,7 @@ import contextlib
 import functools
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -57,6 +58,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from remat.core.tree import flatten
 from remat.core.versions import Saved, note_saved
+from remat.errors import RematError
 
 __all__ = ["IGNORED_OPS", "OpKeys", "op_name", "ops_in_words", "run_selective", "saves_recorded"]
 
@@ -98,6 +100,40 @@ IGNORED_OPS: frozenset[Any] = frozenset(
     getattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", None) or {torch.ops.aten.detach.default}
 )
 """Ops torch's selective checkpoint passes through without asking the policy: they get no key."""
+
+
+def stop_passing(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` for ``torch.utils.checkpoint``, whose early stop raises ``_StopRecomputationError`` (an
+    ``Exception``) from its pack hook: where the model's code wrapped it in an error of its own (einx's
+    ``CallOperationError ... from e``), raise torch's signal again so that its recompute stops as meant."""
+    stop_type = getattr(torch.utils.checkpoint, "_StopRecomputationError", None)
+    if stop_type is None or torch.compiler.is_compiling():
+        return fn
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        stop: BaseException | None = None
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            seen: set[int] = set()
+            cur: BaseException | None = e.__cause__ or e.__context__
+            while cur is not None and id(cur) not in seen:
+                if isinstance(cur, stop_type):
+                    stop = cur
+                    break
+                seen.add(id(cur))
+                cur = cur.__cause__ or cur.__context__
+            if stop is None:
+                raise
+            # Drop the wrapper and the tracebacks: they hold the replay's frames, and a raise inside this
+            # handler would link the signal and the wrapper into a cycle that keeps those tensors alive
+            # until the garbage collector runs (measured 1.16x a plan's budget).
+            e.__cause__ = e.__context__ = None
+            e.__traceback__ = None
+        stop.__cause__ = stop.__context__ = None
+        raise stop.with_traceback(None)
+
+    return call
 
 
 @functools.cache  # ops are few and live as long as the process; the policy asks per call
@@ -145,15 +181,48 @@ class OpKeys:
         return k.isdigit() and self._seen.get(name, 0) > int(k)
 
 
-def _contexts(save: frozenset[str], keys: dict[bool, OpKeys]) -> tuple[Any, Any]:
+def _contexts(save: frozenset[str], keys: dict[bool, OpKeys], casts: list[Any]) -> tuple[Any, Any]:
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        key = keys[bool(getattr(ctx, "is_recompute", False))](func)
+        recompute = bool(getattr(ctx, "is_recompute", False))
+        if not recompute and func is torch.ops.aten._to_copy.default and _cast_leaf(args):
+            out = getattr(ctx, "op_output", None)
+            if isinstance(out, torch.Tensor):  # NOTE [ Autocast's cache in a policy's recomputation ]
+                casts.append(weakref.ref(out))
+        key = keys[recompute](func)
         return CheckpointPolicy.MUST_SAVE if key in save else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)  # type: ignore[no-any-return]
 
 
-def run_selective(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], save: frozenset[str]) -> Any:
+def _cast_leaf(args: Sequence[Any]) -> bool:
+    t = args[0] if args else None
+    return isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad and torch.is_autocast_cache_enabled()
+
+
+# NOTE [ Autocast's cache in a policy's recomputation ]
+# torch's selective checkpoint matches the recomputation's ops to the forward's by their order, per op.
+# Under an autocast whose cache is enabled, a forward that casts a leaf that requires grad (a parameter,
+# an input) caches the cast; a recomputation that runs while the cache still holds it (the backward
+# inside the same autocast region: each step's own ``with autocast():`` around forward and backward)
+# finds it there and runs no ``_to_copy`` for it, so every later ``_to_copy`` of the block is matched to
+# the wrong entry of the forward: torch refuses where the ops differ ("... not found in storage"), and
+# where a cached cast and a later cast have the same shape, the recomputation read the wrong tensor
+# (gradients 0.06 off, silently; helper-53). Turning the cache off for the block changes the plain
+# model's values (autocast reuses the cast of a parameter made before an optimizer step until its region
+# exits). So the planner never caches a ``_to_copy`` (``remat.plan.policies._cacheable``: a cast is
+# cheap to run again), and a policy that caches one (written by hand) is refused before its
+# recomputation runs where a cast of a leaf its forward made is still alive in the backward (held by
+# the cache). A policy that caches no cast recomputes every cast it runs whatever its index, and the
+# values it recomputes are the forward's.
+
+
+def run_selective(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    save: frozenset[str],
+    name: str | None = None,
+) -> Any:
     """Call ``fn(*args, **kwargs)`` under one non-reentrant checkpoint that caches the outputs of the ops in ``save``.
 
     Every other op of the call is recomputed in the backward (NOTE [ Selective recompute semantics ]);
@@ -166,18 +235,42 @@ def run_selective(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[s
         args: Its positional arguments.
         kwargs: Its keyword arguments.
         save: Keys of the ops whose outputs are cached (NOTE [ Op keys ]), e.g. ``{"addmm#0", "bmm#1"}``.
+        name: What to call the block in errors, e.g. ``"module 'layers.3'"``.
 
     Returns:
         What ``fn`` returns.
+
+    Raises:
+        RematError: In the backward, where ``save`` holds a cast that autograd's autocast cache makes the
+            recomputation skip (NOTE [ Autocast's cache in a policy's recomputation ]).
     """
     # The arguments go in flattened (remat.core.tree, as remat's own recording does): torch's
     # recomputation calls ``fn`` again on what it was given, and a container the block or the model
     # changed since (a state dict the block writes its new state into) would give it other inputs;
-    # rebuilt from the leaves, it sees the forward's. Keywords never reach checkpoint(), whose own
-    # (``context_fn``, ``debug`` ...) a block's keyword might shadow.
+    # rebuilt from the leaves, it sees the forward's. The forward itself gets the caller's containers: a
+    # block that writes into a dict it is given (a state dict a later block reads) wrote into a copy,
+    # and the later block found nothing (a raw KeyError, or its default, silently). Keywords never reach
+    # checkpoint(), whose own (``context_fn``, ``debug`` ...) a block's keyword might shadow.
     leaves, spec = flatten((tuple(args), dict(kwargs)))
+    runs = [0]
+    casts: list[
+        Any
+    ] = []  # weakly, the forward's casts of leaves (NOTE [ Autocast's cache in a policy's recomputation ])
+    caches_casts = any(key.rpartition("#")[0] == "_to_copy" for key in save)
 
     def call(*flat: Any) -> Any:
+        runs[0] += 1
+        if runs[0] == 1:
+            return fn(*args, **kwargs)
+        if caches_casts and any(ref() is not None for ref in casts):
+            raise RematError(
+                f"apply: {name or 'a block'} runs under an op-level policy (RecomputeOps) that caches a cast "
+                "(_to_copy), and its backward runs inside the autocast region of its forward, whose cache still "
+                "holds the casts of parameters its forward made: the recomputation would not make them again, and "
+                "torch's selective checkpoint, which matches its ops to the forward's by their order, would read "
+                "the wrong cached tensor; call backward() outside the autocast region (as torch recommends), use "
+                "torch.autocast(..., cache_enabled=False), or recompute that cast (remat.plan never caches one)"
+            )
         a, k = tree_unflatten(list(flat), spec)
         return fn(*a, **k)
 
@@ -187,11 +280,11 @@ def run_selective(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[s
     keys = {False: OpKeys(), True: OpKeys()}
     save = frozenset(save)
     out = checkpoint(
-        call,
+        stop_passing(call),
         *leaves,
         use_reentrant=False,
         preserve_rng_state=True,
-        context_fn=functools.partial(_contexts, save, keys),
+        context_fn=functools.partial(_contexts, save, keys, casts),
         determinism_check=_DETERMINISM,
     )
     forward = keys[False]

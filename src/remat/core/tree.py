@@ -99,7 +99,12 @@ def _plain(leaf: Any) -> bool:
 
 def _names(leaf: Any, objects: bool) -> tuple[str, ...] | None:
     if _closed(leaf):
-        return tuple(f.name for f in dataclasses.fields(leaf) if hasattr(leaf, f.name))
+        fields = [f.name for f in dataclasses.fields(leaf) if hasattr(leaf, f.name)]
+        # Attributes that are no fields (set in ``__post_init__``, or later) are opened too: left in the shell,
+        # a tensor in one was held by every recorded call and, edited in place before the backward, reached
+        # the replay unchecked (an object leaf is snapshotted; an opened one is not).
+        fields += [name for name in getattr(leaf, "__dict__", ()) if name not in fields]
+        return tuple(fields)
     if objects and _plain(leaf):
         names = tuple(vars(leaf))
         if any(isinstance(t, torch.Tensor) for name in names for t in tree_leaves(getattr(leaf, name))):

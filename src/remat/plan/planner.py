@@ -14,7 +14,16 @@ from remat.core.ops import Keep, Op, RecomputeSub, ops_repr
 from remat.errors import BudgetInfeasibleError, RematError
 from remat.plan.chain import Chain, chain_of
 from remat.plan.policies import op_costs
-from remat.plan.solver import SubCosts, VariantCost, VariantId, min_peak, min_peak_plan, simulate, solve
+from remat.plan.solver import (
+    SubCosts,
+    VariantCost,
+    VariantId,
+    finest_slots,
+    min_peak,
+    min_peak_plan,
+    simulate,
+    solve,
+)
 from remat.plan.strategies import STRATEGIES, Named, Strategy, Target, parse_strategy
 from remat.plan.types import Plan
 from remat.profile.types import Profile
@@ -361,7 +370,7 @@ def _plan_here(profile: Profile, budget: int | str | Budget | None, *, solver: s
     if ops is None and smallest <= budget_bytes:
         # Memory is discretised on the safe side (NOTE [ Rotor dynamic program ]), so a budget within
         # a few units of the smallest peak can be missed: solve finer, else take the lowest-peak plan.
-        ops = chosen.solve(profile, chain, headroom, slots=min(1 << 16, max(1, headroom))) or chosen.min_peak_plan(
+        ops = chosen.solve(profile, chain, headroom, slots=finest_slots(chain.n, headroom)) or chosen.min_peak_plan(
             profile, chain
         )
         log.info(

@@ -110,10 +110,17 @@ def _mutated_later(b: BlockOps) -> list[bool]:
 
 
 def _cacheable(b: BlockOps) -> list[bool]:
-    """Whether each op may be cached, random ops' order aside (NOTE [ Selective recompute semantics ])."""
+    """Whether each op may be cached, random ops' order aside (NOTE [ Selective recompute semantics ]);
+    never a cast, which autocast's cache may skip in the recomputation (NOTE [ Autocast's cache in a
+    policy's recomputation ] in ``remat.core.selective``)."""
     later = _mutated_later(b)
     return [
-        op.index < b.stop and op.fresh and not op.view and all(w == EXTERNAL for w in op.writes) and not later[op.index]
+        op.index < b.stop
+        and op.fresh
+        and not op.view
+        and op.name != "_to_copy"
+        and all(w == EXTERNAL for w in op.writes)
+        and not later[op.index]
         for op in b.ops
     ]
 
@@ -201,8 +208,9 @@ def make_policy(block_ops: BlockOps, save: Iterable[str]) -> OpPolicy:
         cached.add(i)
     held_storages = {s for i in cached for s in b.ops[i].storages if s != EXTERNAL}
     held = sum(b.ops[s].out_bytes for s in held_storages)
-    # NOTE [ The block's output is held anyway ]: recomputing it frees nothing.
-    alive = set(_saved_outputs(b)) - held_storages
+    # NOTE [ The block's output is held anyway ]: recomputing it frees nothing; nor recomputing a cast that
+    # autocast's cache holds (OpRecord.autocast_cached: a parameter's, 1.06-1.10x the budget before).
+    alive = (set(_saved_outputs(b)) | {op.index for op in b.ops if op.autocast_cached}) - held_storages
     recompute = [op for op in b.ops[: b.stop] if op.index not in cached]
     freed = [
         _freed_key(b, op.index)

@@ -426,6 +426,16 @@ def _ceil_div(num: int, den: int) -> int:
     return -(-num // den)
 
 
+def finest_slots(n: int, headroom_bytes: int) -> int:
+    """Memory units for a finer solve of ``n`` blocks (a budget within rounding of the smallest peak):
+    up to 1-byte units and 65536 of them, but within the table size and about 8 times the automatic
+    solve's work, so a long chain (a split U-Net: 200+ blocks) neither allocates tens of GiB nor runs
+    for hours."""
+    fit = _TABLE_MAX_BYTES // (16 * (n + 1) ** 2) - 1
+    work = 8 * _WORK_TARGET // max(1, n**3 // 6)
+    return max(1, min(1 << 16, max(1, headroom_bytes), max(_auto_slots(n), min(fit, work))))
+
+
 def _auto_slots(n: int) -> int:
     """Memory units for a chain of ``n`` blocks when the caller does not choose."""
     slots = max(_SLOTS_MIN, min(_SLOTS_MAX, _WORK_TARGET // max(1, n**3 // 6)))

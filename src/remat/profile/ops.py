@@ -91,6 +91,9 @@ class OpRecord:
         freed: When the storages it allocated died in the block's forward: before op ``freed`` ran (a
             temporary), or ``-1`` when they outlived it (saved, returned, held). With ``out_bytes``, this gives
             the bytes alive after each op (NOTE [ Replays of op-level policies ] in ``remat.plan.policies``).
+        autocast_cached: A cast that autocast's cache holds (of a leaf that requires grad, a parameter,
+            under an enabled autocast with its cache on): alive until the outermost autocast region exits,
+            whether the op's output is saved or recomputed.
     """
 
     index: int
@@ -105,6 +108,7 @@ class OpRecord:
     random: bool = False
     view: bool = False
     freed: int = -1
+    autocast_cached: bool = False
 
     @property
     def fresh(self) -> bool:
@@ -243,6 +247,27 @@ class _Op:
     saved: dict[int, int] = field(default_factory=dict)  # ptr -> bytes of its storages autograd saved
     freed: int = -1  # the number of ops run when the last of the storages it allocated died (-1: alive)
     alive: int = 0  # how many of the storages it allocated are alive
+    autocast_cached: bool = False  # OpRecord.autocast_cached
+
+
+def _autocast_nesting() -> int:
+    """How many autocast regions (enabled or not) are open: autocast clears its cache when the outermost
+    one exits, and not before."""
+    n = int(torch.autocast_increment_nesting())
+    torch.autocast_decrement_nesting()
+    return n - 1
+
+
+def _autocast_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether autocast's cache keeps this cast of ``args[0]``: a leaf that requires grad, cast down to a
+    half-precision type with the cache on (NOTE [ Autocast's cached weight casts ] in remat.core.probe),
+    and kept past the block's forward when an autocast region around the block is still open then
+    (``_Recorder.end``). Inside the op, autocast's own flag reads off (its dispatch key is excluded below
+    it), so a cast the user writes by hand (``weight.to(torch.bfloat16)``) counts too: on the safe side."""
+    t = args[0] if args else None
+    if not (isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad and torch.is_autocast_cache_enabled()):
+        return False
+    return kwargs.get("dtype") in (torch.bfloat16, torch.float16) and t.dtype != kwargs.get("dtype")
 
 
 class _Run:
@@ -338,6 +363,7 @@ class _Run:
                 random,
                 view or bool(getattr(func, "is_view", False)),
                 alive=self._pending_alive,
+                autocast_cached=func is torch.ops.aten._to_copy.default and _autocast_caches(args, kwargs),
             )
         )
         self._pending_alive = 0
@@ -406,6 +432,9 @@ class _Recorder(TorchDispatchMode):
         run.py_rng = _py_states() != run.py_states
         run.settle()
         run.lifetimes = None  # what dies after the block's forward ends is no temporary of it
+        if _autocast_nesting() == 0:  # the block's own region exited: autocast cleared its cache
+            for op in run.ops:
+                op.autocast_cached = False
         for t in (leaf for leaf in output_leaves(out) if isinstance(leaf, torch.Tensor)):
             st = _storage(t)
             owner = run.owner.get(st[0], EXTERNAL) if st is not None else EXTERNAL
@@ -484,11 +513,13 @@ def _one_forward(
     if missing:
         raise BlockSelectionError(
             f"profile: block {missing[0]!r} did not run in the forward of {type(model).__name__}: the model skipped "
-            "it (an early exit, layers skipped at random as with LayerDrop: HF's layerdrop / encoder_layerdrop) or "
-            "called its forward directly (layer.forward(x) bypasses the module hooks the profile needs); a model "
-            "must run every block once per step to be profiled: select blocks that always run through their "
-            "__call__, set a LayerDrop probability to 0 to profile and plan, or apply a strategy that needs no "
-            "profile (remat.apply(model, remat.sqrt()))"
+            "it (an early exit, layers skipped at random as with LayerDrop: HF's layerdrop / encoder_layerdrop, a "
+            "child its layer calls only under an option or on some calls: x-transformers' optional projections "
+            "with split=True, DPT's first fusion layer without its first residual layer) or called its forward "
+            "directly (layer.forward(x) bypasses the module hooks the profile needs); a model must run every "
+            "block once per step to be profiled: select blocks that always run through their __call__ "
+            "(split=False, include=...), set a LayerDrop probability to 0 to profile and plan, or apply a strategy "
+            "that needs no profile (remat.apply(model, remat.sqrt()))"
         )
     return [r for r in rec.runs if r is not None], out
 
@@ -524,6 +555,7 @@ def _block_ops(block: Block, runs: list[_Run]) -> BlockOps:
                 random=op.random,
                 view=op.view,
                 freed=op.freed,
+                autocast_cached=op.autocast_cached,
             )
         )
     input_saved = sum(first.input_saved.values())

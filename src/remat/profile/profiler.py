@@ -414,7 +414,12 @@ def profile(
             bool(block_ops) and not tracked.edits_input[i] and _selective_ok(b, tracked.stateful[i], block_ops[i])
             for i, b in enumerate(block_list)
         ]
-        configs = _timing_configs(block_list, selective=selective, editing=tracked.edits_input[:n])
+        # Blocks that change a mutable argument (NOTE [ Arguments changed by the call ] in remat.core.probe)
+        # cannot be replayed: kept in the checkpointed iterations too.
+        changes_args = [any(s.startswith("argument ") for s in tracked.stateful[i]) for i in range(n)]
+        configs = _timing_configs(
+            block_list, selective=selective, editing=[e or c for e, c in zip(tracked.edits_input[:n], changes_args)]
+        )
         call_ms = _call_ms(dev)
         members = resolve(model, block_list)
         runs: dict[str, list[list[tuple[str, int, int]]]] = {name: [] for name in configs}
