@@ -212,8 +212,9 @@ class Probe:
         self._prev_inputs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._seen: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._seen_before_prev: dict[int, weakref.ref[torch.UntypedStorage]] = {}
-        # Stateful forwards (BlockProfile.stateful): buffers before each block's forward.
-        self.stateful: list[tuple[str, ...]] = [()] * n
+        # Stateful forwards (BlockProfile.stateful): buffers before each block's forward; for the sub-modules
+        # (slots n..n+m), the mutable arguments they change (NOTE [ Arguments changed by the call ]).
+        self.stateful: list[tuple[str, ...]] = [()] * (n + m)
         self._buffers_before: dict[int, dict[str, tuple[torch.Tensor, int, torch.Tensor]]] = {}
         # Mutable non-tensor arguments of each block at its call (NOTE [ Arguments changed by the call ]).
         self._args_before: dict[int, list[tuple[Any, Any]]] = {}
@@ -494,6 +495,11 @@ class Probe:
         for j, sub in enumerate(self.subs):
             self.handles.append(sub.register_forward_pre_hook(self._pre(n + j, Event.SUB, j), with_kwargs=True))
             self.handles.append(sub.register_forward_hook(self._post(n + j, Event.SUB_END, j), with_kwargs=True))
+            if self.track:
+                # A sub-module that changes a mutable argument (the KV cache its attention appends to) cannot
+                # be checkpointed alone; one that does not can, even in a block that does (its MLP).
+                self.handles.append(sub.register_forward_pre_hook(self._args_pre(n + j), with_kwargs=True))
+                self.handles.append(sub.register_forward_hook(self._args_post(n + j), always_call=True))
         ctx = (
             torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             if self.track

@@ -125,6 +125,7 @@ __all__ = [
     "detach",
     "attached",
     "suspended",
+    "nested_plans",
     "count_forwards",
     "observed",
     "run_function",
@@ -1896,6 +1897,19 @@ def suspended(model: nn.Module) -> Iterator[None]:
         if entry is not None:
             members = [[host.get_submodule(f) for f in fqns] for fqns in entry.names]
             attach(host, entry.tag, entry.ops, members, entry.names, allow_stateful=entry.allow_stateful)
+
+
+def nested_plans(model: nn.Module) -> list[tuple[str, nn.Module, Attached]]:
+    """Plans attached to modules inside ``model`` other than its own holder: ``remat.apply`` or
+    ``hf.enable`` called on a model that was wrapped afterwards (PEFT's ``get_peft_model``), as
+    ``(name, module, installation)``."""
+    host = holder(model)
+    out = []
+    for name, module in host.named_modules():
+        entry = module.__dict__.get(_APPLIED_ATTR)
+        if module is not host and isinstance(entry, Attached):
+            out.append((name, module, entry))
+    return out
 
 
 def is_applied_module(module: nn.Module) -> bool:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from remat.apply import apply, remove
+from remat.core.runtime import nested_plans
 from remat.core.trace import device_of
 from remat.core.wrapped import refuse_static_graph, unwrap
 from remat.errors import MissingExtraError, RematError
@@ -133,6 +134,11 @@ def enable(
             "recomputation would append to it again)"
         )
         config.use_cache = False
+    for name, module, _entry in nested_plans(inner):
+        # A plan applied before the model was wrapped (hf.enable on the base model, then get_peft_model):
+        # replaced by this one, as applying again replaces a plan (two would replay the blocks twice).
+        log.warning("hf.enable: removing the remat plan applied to the sub-module %r; the new plan replaces it", name)
+        remove(module)
     device = device_of(inner, None)
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in sample_batch.items()}
     modes = [(m, m.training) for m in inner.modules()]

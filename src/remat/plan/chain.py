@@ -201,6 +201,9 @@ class Chain:
             for a block that edits the previous block's output in place (``BlockProfile.edits_own_link``),
             which may be recomputed only with that block (NOTE [ In-place edits of a member's output ]
             in ``remat.core.runtime``).
+        sub_recomputable: Whether each block's attention / FFN sub-modules may be checkpointed alone
+            (default ``recomputable``): also for a block that is not recomputable only because it changes
+            a mutable argument (a KV cache), whose sub-modules that do not change it the profile measures.
         grad_bytes: Bytes of parameter gradients each block's backward allocates (entry ``n``: the
             head's), held from then to the end of the iteration (default 0: gradients held before it).
         late_inputs: Block inputs the plain step frees in the forward after the block that takes them
@@ -238,6 +241,7 @@ class Chain:
     rng_copy_bytes: tuple[int, ...] = ()
     recomputable: tuple[bool, ...] = ()
     startable: tuple[bool, ...] = ()
+    sub_recomputable: tuple[bool, ...] = ()
     grad_bytes: tuple[int, ...] = ()
     joinable: tuple[bool, ...] = ()
     late_inputs: tuple[tuple[int, int, int, tuple[int, ...]], ...] = ()
@@ -278,6 +282,8 @@ class Chain:
             object.__setattr__(self, "recomputable", (True,) * len(self.fwd_ms))
         if not self.startable:
             object.__setattr__(self, "startable", tuple(self.recomputable))
+        if not self.sub_recomputable:
+            object.__setattr__(self, "sub_recomputable", tuple(self.recomputable))
         if not self.out_free_bytes:
             object.__setattr__(self, "out_free_bytes", (0,) * len(self.fwd_ms))
         if not self.ckpt_fwd_ms:
@@ -569,6 +575,16 @@ def chain_of(profile: Profile) -> Chain:
         recomputable=tuple(b.backward and not b.stateful and (not b.edits_input or b.edits_own_link) for b in bps)
         + (True,),
         startable=tuple(b.backward and not b.stateful and not b.edits_input for b in bps) + (True,),
+        # A block kept because it changes a mutable argument (a KV cache, PEFT prefix tuning's
+        # past_key_values) may still have its sub-modules that do not checkpointed alone (the profile gives
+        # none that change it); state in buffers keeps the whole block.
+        sub_recomputable=tuple(
+            b.backward
+            and all(s.startswith("argument ") for s in b.stateful)
+            and (not b.edits_input or b.edits_own_link)
+            for b in bps
+        )
+        + (True,),
         joinable=joinable + (True,),
         grad_bytes=tuple(b.grad_bytes for b in bps) + (profile.head_grad_bytes,),
         late_inputs=tuple((li.nbytes, li.producer, li.freed_after, tuple(li.users)) for li in profile.late_inputs),

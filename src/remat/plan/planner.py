@@ -386,6 +386,23 @@ def _plan_here(profile: Profile, budget: int | str | Budget | None, *, solver: s
             if len(profile.blocks) <= 4 and smallest >= 0.9 * profile.peak_bytes
             else ""
         )
+        stateful = [(b.name, bp.stateful) for b, bp in zip(profile.blocks, profile.block_profiles) if bp.stateful]
+        if stateful:
+            # Kept whatever the budget: say why, rather than suggesting finer blocks.
+            names = ", ".join(name for name, _ in stateful[:3]) + (
+                f" and {len(stateful) - 3} more" if len(stateful) > 3 else ""
+            )
+            what = ", ".join(dict.fromkeys(s for _, st in stateful for s in st))
+            finer = (
+                f"; {len(stateful)} of {len(profile.blocks)} blocks ({names}) are never recomputed whole: their "
+                f"forward changes state ({what}; NOTE [ State under recomputation ])"
+                + (
+                    ": a KV cache passed to the layers (use_cache=True, or PEFT prefix tuning's past_key_values) is "
+                    "appended to by each call, so train with use_cache=False and without prefix tuning to plan below this"
+                    if any("Cache" in s for _, st in stateful for s in st)
+                    else ""
+                )
+            )
         raise BudgetInfeasibleError(
             f"plan: budget {format_bytes(budget_bytes)} is below the smallest feasible peak {format_bytes(smallest)} "
             f"({chosen.name}: {cheapest}); raise the budget or lower the batch size{finer}",

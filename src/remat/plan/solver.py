@@ -211,7 +211,8 @@ def _variants(chain: Chain, sub_costs: SubCosts | None, top_only: bool = False) 
     for k in range(chain.n + 1):
         out.append([(None, *_kept_sizes(chain, k, 0), 0.0)])
     for (k, variant), cost in sorted((sub_costs or {}).items(), key=lambda kv: (kv[0][0], repr(kv[0][1]))):
-        if 0 <= k < chain.n and chain.recomputable[k]:
+        ok = chain.recomputable if isinstance(variant, RecomputeOps) else chain.sub_recomputable
+        if 0 <= k < chain.n and ok[k]:
             key: VariantId | _TopOnly = variant if isinstance(variant, RecomputeOps) else tuple(variant)
             if top_only and isinstance(key, tuple):
                 key = _TopOnly(key)

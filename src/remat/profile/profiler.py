@@ -20,7 +20,7 @@ from remat.blocks import Block, fingerprint, resolve
 from remat.blocks import blocks as find_blocks
 from remat.core.ops import Keep, Op, Recompute, RecomputeOps
 from remat.core.probe import Event, Probe, probe, storages
-from remat.core.runtime import install, suspended, uninstall
+from remat.core.runtime import install, nested_plans, suspended, uninstall
 from remat.core.trace import (
     Grads,
     Iteration,
@@ -129,6 +129,21 @@ def _selective_ok(b: Block, stateful: tuple[str, ...], block_ops: BlockOps) -> b
     """Whether block ``b`` may run under an op-level policy (NOTE [ Op-level policy costs ])."""
     writes_outside = any(w == EXTERNAL for op in block_ops.ops for w in op.writes)
     return len(b.fqns) == 1 and not stateful and not writes_outside and not block_ops.py_rng
+
+
+def _refuse_nested_plans(model: nn.Module, block_list: Sequence[Block]) -> None:
+    """A RematError naming the module when a plan applied to a module inside ``model`` runs its blocks: the
+    plan made on a model before a wrapper (PEFT's ``get_peft_model``) was put around it would replay them in
+    the backward, which the profile would otherwise report as the model recomputing them itself."""
+    inside = {id(m) for members in resolve(model, block_list) for mod in members for m in mod.modules()}
+    for name, _module, entry in nested_plans(model):
+        if any(id(m) in inside for m in entry.touched):
+            raise RematError(
+                f"profile: a remat plan ({entry.tag.strategy if hasattr(entry.tag, 'strategy') else entry.tag}) is "
+                f"already applied to the sub-module {name!r} (remat.apply or hf.enable on that model before it was "
+                f"wrapped, e.g. by PEFT's get_peft_model) and runs these blocks; remove it first "
+                f"(remat.remove(model.get_submodule({name!r}))), or call hf.enable, which replaces it"
+            )
 
 
 def _timing_configs(
@@ -367,6 +382,7 @@ def profile(
     block_list = tuple(blocks) if blocks is not None else find_blocks(model)
     if not block_list:
         raise BlockSelectionError("profile: no blocks to profile; select at least one block")
+    _refuse_nested_plans(model, block_list)
     dev = device_of(model, inputs)
     n = len(block_list)
     with suspended(model), iteration(model, inputs, loss_fn, grads=grads, optimizer=optimizer, where="profile") as it:
@@ -1048,8 +1064,9 @@ def _assemble(
         subs = []
         for fqn in (*b.attention_fqns, *b.ffn_fqns):
             slot = n + sub_index
-            if tracked.edits_input[slot]:
-                # It edits its input in place (Mixtral's router jitter): checkpointing it alone is refused
+            if tracked.edits_input[slot] or tracked.stateful[slot]:
+                # It edits its input in place (Mixtral's router jitter), or changes a mutable argument (an
+                # attention appending to the KV cache it is passed): checkpointing it alone is refused
                 # by apply, so it gets no profile and the planner no sub-module variant for it.
                 sub_index += 1
                 continue
