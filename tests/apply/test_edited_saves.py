@@ -164,3 +164,159 @@ def test_a_tensor_read_but_not_saved_and_edited_before_the_backward_is_a_remat_e
                 m.zero_grad(set_to_none=True)
     for a, b in zip(_step_plain(model, x), _step_plain(plain, x)):
         assert torch.equal(a, b)
+
+
+# A review of the check (helper-55): edits it missed, and a workspace it refused.
+
+_DEPTH = [0]
+
+
+class _CleansUpInExcept(nn.Module):
+    """Puts a counter back in ``except Exception`` / ``else``, not ``finally``; the replay stops inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1.0 if _DEPTH[0] == 0 else 0.5
+        _DEPTH[0] += 1
+        try:
+            y = self.fc2(torch.tanh(self.fc(x)) * scale)
+            torch.sigmoid(y).sum()  # one save after the last one the backward needs: the replay stops before it
+        except Exception:
+            _DEPTH[0] -= 1
+            raise
+        else:
+            _DEPTH[0] -= 1
+        return y
+
+
+def test_the_replays_early_stop_runs_the_models_except_exception_cleanup() -> None:
+    # As a BaseException, the stop skipped it: the counter stayed raised and the next steps differed.
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[_CleansUpInExcept() for _ in range(3)])
+    model = copy.deepcopy(plain)
+    remat.apply(model, remat.full())
+    x = torch.randn(8, 4)
+    for _ in range(2):
+        for a, b in zip(_step_plain(model, x), _step_plain(plain, x)):
+            assert torch.equal(a, b)
+        assert _DEPTH[0] == 0
+
+
+class _SharedShift(nn.Module):
+    def __init__(self, shift: torch.Tensor) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.shared = [shift]  # not an attribute torch registers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x) + self.shared[0])
+
+
+class _AdvancesBetween(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = torch.zeros(4)
+        self.blocks = nn.ModuleList(_SharedShift(self.shift) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[0](x)
+        self.shift.add_(1.0)  # advanced in place between the layers: block 1 reads it after
+        return self.blocks[1](x)
+
+
+def test_an_edit_between_two_blocks_that_read_a_tensor_is_not_excused_by_the_later_read() -> None:
+    # Block 1's read noted the edited version, which excused block 0's edit: silently off.
+    torch.manual_seed(0)
+    model = _AdvancesBetween()
+    remat.apply(model, remat.full())
+    with pytest.raises(remat.RematError, match="edited in place after the forward"):
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+
+
+class _Accumulates(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.acc = torch.zeros(4)  # a running average kept in a plain tensor attribute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.acc.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return torch.tanh(self.fc(x) - self.acc)
+
+
+def test_a_block_updating_a_plain_tensor_from_its_own_values_is_refused() -> None:
+    # Its replay applied the update a second time and computed with it: gradients and state off, silently.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Accumulates() for _ in range(3)])
+    remat.apply(model, remat.full())
+    for _ in range(2):  # every call, not only the first
+        with pytest.raises(remat.RematError, match="updates in place, from its own values"):
+            model(torch.randn(8, 4))
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x) + self.mask)  # the add does not save the mask
+
+
+@pytest.mark.parametrize("how", ["buffer in place", "data assigned"])
+def test_a_buffer_or_a_tensors_data_changed_before_the_backward_is_an_edit(how: str) -> None:
+    # A buffer the replay does not restore (a pruning schedule's mask) and ``t.data = ...`` (no version
+    # bump) were replayed with the new values, silently.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Masked() for _ in range(3)])
+    remat.apply(model, remat.full())
+    out = model(torch.randn(8, 4))
+    for block in model:
+        if how == "buffer in place":
+            block.mask[0] = 0.0
+        else:
+            block.mask.data = block.mask + 1.0
+    with pytest.raises(remat.RematError, match="edited in place after the forward"):
+        out.pow(2).sum().backward()
+
+
+class _SliceWorkspace(nn.Module):
+    def __init__(self, ws: torch.Tensor, how: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.ws, self.how = ws, how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        if self.how == "setitem":
+            self.ws[:n] = x.detach()
+        else:
+            self.ws.narrow(0, 0, n).copy_(x.detach())
+        return torch.tanh(self.fc(x) + self.ws[:n])
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("how", ["setitem", "narrow"])
+def test_a_workspace_filled_through_a_view_is_no_read(how: str, shared: bool) -> None:
+    # Each call fills it before reading (the replay too); called twice per step, the second fill moved its
+    # version: a needless RematError before.
+    torch.manual_seed(0)
+    ws = torch.zeros(8, 4)
+    plain = nn.Sequential(*[_SliceWorkspace(ws if shared else torch.zeros(8, 4), how) for _ in range(3)])
+    model = copy.deepcopy(plain)
+    remat.apply(model, remat.full())
+    a, b = torch.randn(8, 4), torch.randn(8, 4)
+
+    def step(m: nn.Module) -> list[torch.Tensor]:
+        (m(a) - m(b)).pow(2).sum().backward()
+        grads = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad(set_to_none=True)
+        return grads
+
+    for _ in range(2):
+        for u, v in zip(step(model), step(plain)):
+            assert torch.equal(u, v)

@@ -114,7 +114,7 @@ from remat.core.ops import Keep, Op, Recompute, RecomputeOps, RecomputeSub
 from remat.core.probe import made_since, restored_buffer, sequence_mark
 from remat.core.selective import run_selective, saves_recorded, stop_passing
 from remat.core.tree import flatten, leaves, output_leaves
-from remat.core.versions import Saved, edited_since, note_saved
+from remat.core.versions import Saved, edited_since, note_saved, replaying
 from remat.core.wrapped import unwrap
 from remat.errors import RematError, higher_order_refused
 
@@ -151,14 +151,15 @@ class _Local(threading.local):
 _LOCAL = _Local()
 
 
-class _Stop(BaseException):
+class _Stop(Exception):
     """Raised by the replay hook once every holder of a recording is filled (torch's early stop).
 
-    A ``BaseException``, not an ``Exception``: the model's code between the op that saves and the replay
-    may wrap its ops in ``except Exception`` and raise its own error (einx, which x-transformers uses for
-    its masks, re-raises every failure of an op as ``CallOperationError ... from e``); such a handler
-    must not turn this internal signal into an error of the backward. One that catches it anyway and
-    re-raises something else ``from`` it is still recognised (``_stopped``)."""
+    An ``Exception``, as torch's own ``_StopRecomputationError``: model code between the op that saves and
+    the replay may clean up in ``except Exception:`` (a nesting counter, a flag put back before re-raising),
+    which must run as it does for any other error, or the next calls, replays included, run in the state
+    it left (a ``BaseException`` skipped it: gradients silently off). A handler that wraps it in an error of
+    its own (einx, which x-transformers uses for its masks, re-raises every failure of an op as
+    ``CallOperationError ... from e``) is recognised through the chain (``_stopped``)."""
 
 
 def _stopped(e: BaseException) -> bool:
@@ -551,13 +552,51 @@ class GeneratorWatch(TorchDispatchMode):
     ``remat.core.versions``): none of ``known`` (its arguments, parameters and buffers), none that an op
     of the call wrote before reading (a workspace it fills)."""
 
-    def __init__(self, known: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, known: Iterable[torch.Tensor] = (), buffers: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
+        # The member's buffers: known (never an update the call makes, NOTE [ State under recomputation ]
+        # handles those), but one it reads before writing is a read too: the replay reads it as it is then,
+        # unless it restores it (_Call.state).
+        self.buffers = {id(b) for b in buffers}
         self.defaults = _default_generators()
         self.found: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
         self.known = {id(t) for t in known}
         self.made: dict[int, weakref.ref[torch.Tensor]] = {}
         self.reads: dict[int, weakref.ref[torch.Tensor]] = {}
+        # A view the call made of a tensor from outside (``ws.narrow(0, 0, n)``, ``ws[:n]``): id -> (the view,
+        # that tensor), weakly. Taking the view reads nothing; the view's first use decides: written (a
+        # workspace the call fills through a view) or read.
+        self.views: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = {}
+        # Outside tensors the call took a view of, not decided yet: reads unless a write decides first
+        # (a view returned unused still carries the tensor's values out of the call).
+        self.pending: dict[int, weakref.ref[torch.Tensor]] = {}
+        # Outside tensors an op of the call updated in place from their own values (``acc.add_(...)``,
+        # ``ema.lerp_(...)``): a replay would update them a second time.
+        self.updated: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    @property
+    def all_reads(self) -> tuple[weakref.ref[torch.Tensor], ...]:
+        """The reads, with the tensors the call only took views of and never wrote through one."""
+        rest = [ref for key, ref in self.pending.items() if key not in self.known and key not in self.reads]
+        return (*self.reads.values(), *rest)
+
+    def _root(self, t: torch.Tensor) -> torch.Tensor | None:
+        entry = self.views.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        return entry[1]()
+
+    def _decide(self, t: torch.Tensor, written: bool, overwrites: bool = True) -> None:
+        if written and not overwrites and id(t) not in self.known:
+            self.updated.setdefault(id(t), weakref.ref(t))
+        if id(t) in self.known or id(t) in self.reads:
+            return
+        if written and not overwrites:
+            self.reads[id(t)] = weakref.ref(t)
+        elif written:
+            self.known.add(id(t))  # filled by the call before any read: not an input
+        else:
+            self.reads[id(t)] = weakref.ref(t)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -565,19 +604,87 @@ class GeneratorWatch(TorchDispatchMode):
         if isinstance(gen, torch.Generator) and id(gen) not in self.defaults and id(gen) not in self.found:
             self.found[id(gen)] = (gen, gen.get_state())
         written = _written(func, args, kwargs)
+        overwrites = _overwrites(func)
+        view = bool(getattr(func, "is_view", False)) and not written
+        roots: list[torch.Tensor] = []  # what the view this op makes is a view of (outside tensors)
         for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and id(t) not in self.known and id(t) not in self.reads:
-                made = self.made.get(id(t))
-                if made is None or made() is not t:
-                    if id(t) in written:
-                        self.known.add(id(t))  # filled by the call before any read: not an input
+            if not isinstance(t, torch.Tensor):
+                continue
+            made = self.made.get(id(t))
+            if made is not None and made() is t:
+                root = self._root(t)
+                if root is not None:
+                    if view:
+                        roots.append(root)
                     else:
-                        self.reads[id(t)] = weakref.ref(t)
+                        self._decide(root, id(t) in written, overwrites)
+                continue
+            if id(t) in self.buffers and id(t) not in self.reads and id(t) not in written and not view:
+                self.buffers.discard(id(t))
+                self.reads[id(t)] = weakref.ref(t)
+            elif id(t) in self.buffers and (id(t) in written or view):
+                self.buffers.discard(id(t))  # written first (or through a view: on the safe side, not a read)
+            if id(t) in self.known or id(t) in self.reads:
+                continue
+            if view:
+                roots.append(t)
+                self.pending.setdefault(id(t), weakref.ref(t))
+            else:
+                self._decide(t, id(t) in written, overwrites)
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.made[id(t)] = weakref.ref(t)
+                if roots:
+                    self.views[id(t)] = (weakref.ref(t), weakref.ref(roots[0]))
         return out
+
+
+# In-place ops whose written argument's old values they do not read (a fill, a copy into it, a draw): a
+# tensor from outside the call such an op writes first is a workspace the call fills, not state it updates.
+_OVERWRITING = frozenset(
+    {
+        "copy_",
+        "fill_",
+        "zero_",
+        "normal_",
+        "uniform_",
+        "bernoulli_",
+        "random_",
+        "exponential_",
+        "geometric_",
+        "cauchy_",
+        "log_normal_",
+        "index_put_",
+        "_index_put_impl_",
+        "masked_fill_",
+        "index_fill_",
+        "index_copy_",
+        "masked_scatter_",
+        "set_",
+        "resize_",
+        "resize_as_",
+    }
+)
+
+
+def _overwrites(func: Any) -> bool:
+    """Whether ``func`` writes without reading what it writes (``_OVERWRITING``; an ``out=`` variant)."""
+    packet = getattr(func, "overloadpacket", None)
+    name = getattr(packet, "__name__", "")
+    overload = getattr(func, "_overloadname", "")
+    return name in _OVERWRITING or "out" in overload
+
+
+def _updated_error(name: str, t: torch.Tensor) -> RematError:
+    return RematError(
+        f"apply: module {name!r} updates in place, from its own values, a tensor that is none of its arguments, "
+        f"parameters or buffers (shape {tuple(t.shape)}, {t.dtype}: a running statistic or counter kept in a plain "
+        "tensor attribute or a global, acc.add_(...), ema.lerp_(...)), so its recomputation in the backward would "
+        "update it a second time and compute with the twice-updated values; register it as a buffer, assign a new "
+        "tensor instead of updating in place (self.acc = self.acc * 0.9 + ...), or keep this block (a plan that "
+        "does not recompute it)"
+    )
 
 
 def _written(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> set[int]:
@@ -830,7 +937,7 @@ class _Frame:
         # frame through a weak reference, as torch's _recomputation_hook does, or the frame would leak.
         pack = _replay_pack(weakref.ref(self), gid)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, _identity), torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(pack, _identity), torch.enable_grad(), replaying():
                 self._run_calls(self._edited_saves())
         except _Stop:
             pass
@@ -853,12 +960,12 @@ class _Frame:
         for entry, owner in zip(self.versions, self.owner):
             if owner not in edited:
                 call = self.calls[owner]
-                t = _first_edited((entry,), call.module, call.role)
+                t = _first_edited((entry,), call.module, call.role, call.state)
                 if t is not None:
                     edited[owner] = t
         for owner, call in enumerate(self.calls):
             if call.reads and owner not in edited:
-                t = _first_edited(call.reads, call.module, call.role)
+                t = _first_edited(call.reads, call.module, call.role, call.state)
                 if t is not None:
                     edited[owner] = t
         return edited
@@ -963,7 +1070,7 @@ def _identity(t: Any) -> Any:
 def _edited_error(name: str, t: torch.Tensor) -> RematError:
     return RematError(
         f"apply: a tensor that module {name!r} used in its forward (shape {tuple(t.shape)}, {t.dtype}), not one of "
-        "its arguments, parameters or buffers, was edited in place after the forward and before the backward (a "
+        "its arguments or parameters nor a buffer its replay restores, was edited in place after the forward and before the backward (a "
         "global, a tensor attribute that is not a buffer, an output edited by later code), so its recomputation "
         "would compute with other values than the forward did (where the forward saved it, the plain model's "
         "backward fails too: 'modified by an inplace operation'); edit it after the backward, or keep this "
@@ -976,20 +1083,26 @@ def _fsdp_managed(module: nn.Module, role: _Role) -> bool:
     return _is_fsdp(module) or (root is not None and _is_fsdp(root))
 
 
-def _first_edited(saved: Iterable[Saved], module: nn.Module, role: _Role) -> torch.Tensor | None:
+def _first_edited(
+    saved: Iterable[Saved], module: nn.Module, role: _Role, restored: Iterable[str] = ()
+) -> torch.Tensor | None:
     """The first tensor of ``saved`` edited in place since (``remat.core.versions.edited_since``), other than
-    a parameter or a buffer of ``module``, which remat checks or restores itself."""
+    a parameter, which remat checks itself, or a buffer of ``module`` the replay puts back to its value at
+    the call (``restored``: the names of ``_Call.state``, the buffers the call updates). Any other buffer
+    is read by the replay as it is now: one edited since the call (a mask a schedule changes before the
+    backward) is an edit."""
     edited = edited_since(saved)
     if not edited or _fsdp_managed(module, role):  # FSDP2 gathers parameters again
         return None
 
-    buffers = list(module.buffers())
+    named = dict(module.named_buffers())
+    buffers = [named[n] for n in restored if n in named]
     for t in edited:
         base = t._base if t._base is not None else t
         if isinstance(t, nn.Parameter) or isinstance(base, nn.Parameter):
             continue  # _swap_in_params
         if any(b is t or b is base for b in buffers):
-            continue  # restored around the replay, or refused (NOTE [ State under recomputation ])
+            continue  # restored around the replay (NOTE [ State under recomputation ])
         return t
     return None
 
@@ -1439,6 +1552,7 @@ def _guarded_recompute(
                 _flags_as(flags),
                 _attrs_as(plain + (_attrs_changed(attrs) if learning else attrs)),
                 _hooks_as(module, hooks),
+                replaying(),
             ):
                 return forward(*args, **kwargs)
         except RuntimeError as e:
@@ -1478,7 +1592,11 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
     if role.learned and role.learned_training != module.training:
         role.learned = False  # NOTE [ State under recomputation ]: a mode change learns again
     buffers = [(name, b, b._version) for name, b in module.named_buffers()]
-    watch = GeneratorWatch(_known(module, leaves((args, kwargs)))) if not role.learned else contextlib.nullcontext()
+    watch = (
+        GeneratorWatch(_known(module, leaves((args, kwargs))), module.buffers())
+        if not role.learned
+        else contextlib.nullcontext()
+    )
     py_before = _py_states() if not role.learned else None
     attrs = _attr_values(module, role)
     saved: list[Saved] = []  # NOTE [ Saved tensors edited before the backward ] in remat.core.versions
@@ -1505,7 +1623,11 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
                 "policies for such blocks)"
             )
         role.learned, role.learned_training = True, module.training
-        role.reads = tuple(watch.reads.values())
+        role.reads = watch.all_reads
+        updated = [t for t in (ref() for ref in watch.updated.values()) if t is not None]
+        if updated:
+            role.learned = False  # refused on every call, not only the first
+            raise _updated_error(role.name, updated[0])
     saved.extend(_note_reads(role))
     changed = [name for name, b, version in buffers if b._version != version]
     if changed:
@@ -1554,7 +1676,7 @@ def _invoke(
     params = _param_refs(module, role)
     sums = _param_sums(params) if not role.learned else []
     py_before = _py_states() if not role.learned or role.py_rng else None  # 50 us: learned on the first call
-    watch = GeneratorWatch(_known(module, flat)) if not role.learned else None
+    watch = GeneratorWatch(_known(module, flat), module.buffers()) if not role.learned else None
     mark = sequence_mark()
     with contextlib.ExitStack() as stack:
         recorded: list[tuple[_Frame, int]] = []
@@ -1588,7 +1710,11 @@ def _invoke(
     role.py_rng = role.py_rng or py_rng is not None
     if watch is not None:
         role.generators = tuple(gen for gen, _ in watch.found.values())
-        role.reads = tuple(watch.reads.values())
+        role.reads = watch.all_reads
+        updated = [t for t in (ref() for ref in watch.updated.values()) if t is not None]
+        if updated:
+            role.learned = False  # refused on every call, not only the first
+            raise _updated_error(role.name, updated[0])
     reads = _note_reads(role)
     end_rng = _digest(torch.get_rng_state()) if any(pos + 1 < span.size for span, pos in spans) else None
     if (

@@ -18,25 +18,35 @@ through ``_SaveInputs``). Not seen: a tensor read without being saved that is an
 each call than on the first (a tensor the model's code makes anew each step and hands over in an
 attribute).
 
-Two kinds of in-place writes are not edits. remat's own: a nested plan's outer replay runs the inner
-members again, and a member that writes into a tensor of its own before using it (a workspace) moves
-its version before the inner recording replays; so the version compared is also the one the tensor had
-when any recording last saved it (the outer replay's inner recording saves it again). And state remat
-restores or checks itself: parameters (``_swap_in_params``; FSDP2 gathers them again) and the member's
-buffers (running statistics, restored around each replay: NOTE [ State under recomputation ]); callers
-leave those out.
+Some in-place writes are not edits. remat's own: a nested plan's outer replay runs the inner members
+again, and a member that writes into a tensor of its own before using it (a workspace, also filled
+through a view: ``ws[:n] = x``) moves its version before the inner recording replays; so the version
+compared is also the one the tensor had when a recording made *inside a replay* last saved it (the outer
+replay's inner recording saves it again; :func:`replaying`). A save in the forward excuses nothing: a
+later block reading the tensor after other code advanced it (``shift.add_(1)`` between two layers)
+would otherwise excuse the edit for the earlier one. And state remat restores or checks itself:
+parameters (``_swap_in_params``; FSDP2 gathers them again) and the buffers a replay puts back to their
+value at the call (running statistics: NOTE [ State under recomputation ]); callers leave those out.
+Any other buffer is read as it is (a mask a schedule changes before the backward is an edit). ``t.data
+= other`` changes the values without a version bump: the data's address is compared too
+(``t.data.add_(1)`` is still not seen). A member whose first call updates such an outside tensor from
+its own values (``acc.mul_(0.9).add_(...)``: a running statistic in a plain attribute) would update it
+again in every replay: ``apply`` refuses it on every call (``GeneratorWatch.updated``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
-__all__ = ["Saved", "edited_since", "note_saved"]
+__all__ = ["Saved", "edited_since", "note_saved", "replaying"]
 
-Saved = tuple["weakref.ref[torch.Tensor]", int]
+# (the tensor, weakly; its version; where its data was: ``t.data = other`` moves that without a version bump)
+Saved = tuple["weakref.ref[torch.Tensor]", int, int]
 
 # id(tensor) -> (a weak reference to it, its version when a recording last saved it).
 _LAST: dict[int, Saved] = {}
@@ -48,12 +58,41 @@ def _forget(key: int, ref: weakref.ref[torch.Tensor]) -> None:
         del _LAST[key]
 
 
+class _Replay(threading.local):
+    depth = 0
+
+
+_REPLAY = _Replay()
+
+
+@contextlib.contextmanager
+def replaying() -> Iterator[None]:
+    """Inside a replay (the backward's recomputation): what its recordings save is noted in ``_LAST``. A save
+    in the forward is not: a later block that saves (or reads) a tensor after other code edited it must not
+    excuse the edit for an earlier block (their replay would read the edited values, silently)."""
+    _REPLAY.depth += 1
+    try:
+        yield
+    finally:
+        _REPLAY.depth -= 1
+
+
+def _where(t: torch.Tensor) -> int:
+    try:
+        return int(t.data_ptr())
+    except (RuntimeError, NotImplementedError):  # no storage (a functional tensor, a tensor subclass): versions only
+        return 0
+
+
 def note_saved(t: torch.Tensor) -> Saved:
     """Note that a recording saved ``t`` now; returns what :func:`edited_since` takes."""
     key = id(t)
-    ref = weakref.ref(t, lambda r, key=key: _forget(key, r))  # type: ignore[misc]
-    entry = (ref, t._version)
-    _LAST[key] = entry
+    ref = weakref.ref(t)
+    entry = (ref, t._version, _where(t))
+    if _REPLAY.depth:
+        ref = weakref.ref(t, lambda r, key=key: _forget(key, r))  # type: ignore[misc]
+        entry = (ref, t._version, _where(t))
+        _LAST[key] = entry
     return entry
 
 
@@ -61,12 +100,16 @@ def edited_since(saved: Iterable[Saved]) -> list[torch.Tensor]:
     """The tensors of ``saved`` still alive whose version moved since the save and since any recording
     last saved them (NOTE [ Saved tensors edited before the backward ])."""
     out = []
-    for ref, version in saved:
+    for ref, version, where in saved:
         t = ref()
-        if t is None or t._version == version:
+        if t is None:
+            continue
+        if t._version == version:
+            if _where(t) != where:
+                out.append(t)  # ``t.data = ...``: other values, the same version
             continue
         last = _LAST.get(id(t))
-        if last is not None and last[0]() is t and last[1] == t._version:
+        if last is not None and last[0]() is t and last[1] == t._version and last[2] == _where(t):
             continue  # saved again since, by a replay's recording (a nested plan)
         out.append(t)
     return out
