@@ -108,12 +108,12 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_leaves
 
 from remat.core.ops import Keep, Op, Recompute, RecomputeOps, RecomputeSub
 from remat.core.probe import made_since, restored_buffer, sequence_mark
 from remat.core.selective import run_selective, saves_recorded, stop_passing
-from remat.core.tree import flatten, leaves, output_leaves
+from remat.core.tree import flatten, leaves, output_leaves, unflatten
 from remat.core.versions import Saved, edited_since, note_saved, replaying
 from remat.core.wrapped import unwrap
 from remat.errors import RematError, higher_order_refused
@@ -1058,7 +1058,7 @@ class _Frame:
                         f"recompute it){_cache_hint(value)}"
                     )
                 leaves.append(value)
-        args, kwargs = tree_unflatten(leaves, call.spec)
+        args, kwargs = unflatten(leaves, call.spec)
         return tuple(args), dict(kwargs)
 
 

@@ -53,10 +53,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from remat.core.tree import flatten
+from remat.core.tree import flatten, unflatten
 from remat.core.versions import Saved, note_saved
 from remat.errors import RematError
 
@@ -271,7 +270,7 @@ def run_selective(
                 "the wrong cached tensor; call backward() outside the autocast region (as torch recommends), use "
                 "torch.autocast(..., cache_enabled=False), or recompute that cast (remat.plan never caches one)"
             )
-        a, k = tree_unflatten(list(flat), spec)
+        a, k = unflatten(list(flat), spec)
         return fn(*a, **k)
 
     # Fresh counters per call. torch 2.13 asks the policy in the forward only (the recompute reads its

@@ -7,10 +7,12 @@ else is one leaf. A block returning its hidden state in a dataclass of the user'
 (``Out(h, aux, n)``), or taking one, hid the tensor: the profile did not see the block's output, and
 a segment could not link it to the next block's input, so each was held as a checkpoint input, and
 plans measured 1.19-1.42x their budget with bitwise gradients (helper-46). Here an instance of a
-dataclass that pytree does not know is opened into its fields (to a depth of ``_DEPTH`` dataclasses,
-each object once): :func:`flatten` gives its fields' leaves, and ``tree_unflatten`` of that spec
-rebuilds it, the same object when no field changed, else a shallow copy with the fields replaced (a
-replay calls a block with a copy holding the replayed tensors). The spec holds the instance weakly and
+dataclass that pytree does not know is opened into its fields (to a depth of ``_DEPTH`` dataclasses;
+an instance passed twice is opened twice, one holding itself is a leaf inside itself): :func:`flatten`
+gives its fields' leaves, and :func:`unflatten` of that spec rebuilds it, the same object when no field
+changed, else a shallow copy with the fields replaced, one copy per instance (a replay calls a block
+with a copy holding the replayed tensors). An instance opened only once held its second occurrence
+(``layer(c, c)``) as one object with its tensors for the segment's life: 1.11x the budget. The spec holds the instance weakly and
 a shell of it without its fields: a segment keeps the spec of each recorded call, and holding the
 instance held the tensors in it (1.08x its budget). The global pytree registry is not touched: the
 opened instances stand in a private node type. What a block returns is read with
@@ -24,15 +26,24 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 import types
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import SUPPORTED_NODES, TreeSpec, register_pytree_node, tree_flatten, tree_leaves, tree_map
+from torch.utils._pytree import (
+    SUPPORTED_NODES,
+    TreeSpec,
+    register_pytree_node,
+    tree_flatten,
+    tree_leaves,
+    tree_map,
+    tree_unflatten,
+)
 
-__all__ = ["flatten", "leaves", "output_leaves"]
+__all__ = ["flatten", "leaves", "output_leaves", "unflatten"]
 
 _DEPTH = 4
 
@@ -59,15 +70,30 @@ def _context(node: _Opened) -> tuple[Any, Any, tuple[str, ...]]:
     return ref, shell, node.names
 
 
+class _Memo(threading.local):
+    # id of an instance's weak reference -> its copy, within one :func:`unflatten`: an instance passed twice
+    # (``layer(c, c)``) is rebuilt as one copy, as the forward had one object (a block that sets a field of
+    # one and reads the other sees its write).
+    copies: dict[int, Any] | None = None
+
+
+_MEMO = _Memo()
+
+
 def _rebuild(values: Any, context: Any) -> Any:
     ref, shell, names = context
     values = list(values)
     obj = ref() if ref is not None else None
     if obj is not None and all(getattr(obj, name, _MISSING) is value for name, value in zip(names, values)):
         return obj
+    copies = _MEMO.copies
+    if copies is not None and ref is not None and id(ref) in copies:
+        return copies[id(ref)]
     new = copy.copy(shell)
     for name, value in zip(names, values):
         object.__setattr__(new, name, value)  # frozen dataclasses too
+    if copies is not None and ref is not None:
+        copies[id(ref)] = new
     return new
 
 
@@ -112,15 +138,20 @@ def _names(leaf: Any, objects: bool) -> tuple[str, ...] | None:
     return None
 
 
-def _open(tree: Any, depth: int, seen: set[int], objects: bool) -> Any:
+def _open(tree: Any, depth: int, inside: set[int], objects: bool) -> Any:
+    # ``inside``: the instances being opened around this point (an instance holding itself is a leaf there);
+    # one that appears twice elsewhere is opened twice, and rebuilt once (_MEMO).
     def one(leaf: Any) -> Any:
-        if depth >= _DEPTH or id(leaf) in seen or isinstance(leaf, torch.Tensor):
+        if depth >= _DEPTH or id(leaf) in inside or isinstance(leaf, torch.Tensor):
             return leaf
         names = _names(leaf, objects)
         if names is None:
             return leaf
-        seen.add(id(leaf))
-        return _Opened(leaf, names, [_open(getattr(leaf, name), depth + 1, seen, objects) for name in names])
+        inside.add(id(leaf))
+        try:
+            return _Opened(leaf, names, [_open(getattr(leaf, name), depth + 1, inside, objects) for name in names])
+        finally:
+            inside.discard(id(leaf))
 
     return tree_map(one, tree)
 
@@ -132,6 +163,16 @@ def flatten(tree: Any) -> tuple[list[Any], TreeSpec]:
     if not any(_closed(leaf) for leaf in flat):
         return flat, spec
     return tree_flatten(_open(tree, 0, set(), False))
+
+
+def unflatten(values: list[Any], spec: TreeSpec) -> Any:
+    """``tree_unflatten``, rebuilding an opened instance that appears twice as one copy."""
+    previous = _MEMO.copies
+    _MEMO.copies = {}
+    try:
+        return tree_unflatten(values, spec)
+    finally:
+        _MEMO.copies = previous
 
 
 def leaves(tree: Any) -> list[Any]:
