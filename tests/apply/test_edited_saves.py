@@ -3,7 +3,9 @@ the backward ] in remat.core.runtime): the plain backward raises, remat's must t
 
 from __future__ import annotations
 
+import collections
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -320,3 +322,116 @@ def test_a_workspace_filled_through_a_view_is_no_read(how: str, shared: bool) ->
     for _ in range(2):
         for u, v in zip(step(model), step(plain)):
             assert torch.equal(u, v)
+
+
+# A second review of the check (helper-58): partial fills, updates written as fills, shape-only reads, stores
+# nested in a module's dict.
+
+
+class _PartialFill(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.mem = torch.zeros(16, 4)  # rows 0..7 this step's, 8..15 older memory
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.mem[:8] = x.detach()  # fills part of it: the rest is still read
+        return torch.tanh(self.fc(x) + self.mem.sum(0))
+
+
+def test_a_partly_filled_tensor_is_still_a_read() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_PartialFill() for _ in range(3)])
+    remat.apply(model, remat.full())
+    out = model(torch.randn(8, 4))
+    for block in model:
+        block.mem[8:].add_(1.0)  # other code edits the older memory: the replay read it, silently, before
+    with pytest.raises(remat.RematError, match="edited in place after the forward"):
+        out.pow(2).sum().backward()
+
+
+class _Updates(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.acc = torch.zeros(4)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = 0.1 * x.detach().mean(0)
+        if self.how == "out":
+            torch.add(self.acc, s, out=self.acc)
+        elif self.how == "copy":
+            self.acc.copy_(0.9 * self.acc + s)  # an EMA written as a fill
+        else:  # read first, then updated
+            y = torch.tanh(self.fc(x) + self.acc)
+            self.acc.add_(s)
+            return y
+        return torch.tanh(self.fc(x) - self.acc)
+
+
+@pytest.mark.parametrize("how", ["out", "copy", "read then add"])
+def test_updates_written_as_fills_or_after_a_read_are_refused(how: str) -> None:
+    # Each replay updated the tensor once more and computed with it: gradients and state off, silently.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Updates(how) for _ in range(3)])
+    remat.apply(model, remat.full())
+    with pytest.raises(remat.RematError, match="updates in place, from its own values"):
+        model(torch.randn(8, 4))
+
+
+_G = torch.randn(8, 4)
+
+
+class _ShapeOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x) + torch.zeros_like(_G))  # reads _G's shape only
+
+
+def test_a_tensor_whose_shape_only_is_read_may_change() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[_ShapeOnly() for _ in range(3)])
+    model = copy.deepcopy(plain)
+    remat.apply(model, remat.full())
+    x = torch.randn(8, 4)
+    grads = []
+    for m in (plain, model):
+        out = m(x)
+        _G.add_(1.0)  # a needless RematError before
+        grads.append(_step_after(m, out))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def _step_after(m: nn.Module, out: torch.Tensor) -> list[torch.Tensor]:
+    out.pow(2).sum().backward()
+    grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    return grads
+
+
+class _NestedStore(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.store: Any = {"aux": []} if kind == "dict of list" else collections.defaultdict(list)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        self.store["aux"].append(h.pow(2).mean())  # an aux loss collected for logging
+        return h
+
+
+@pytest.mark.parametrize("kind", ["dict of list", "defaultdict"])
+def test_what_a_replay_appends_to_a_store_inside_a_module_attribute_is_put_back(kind: str) -> None:
+    # One level deeper than a dict attribute: each replay left its entry, holding its graph.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_NestedStore(kind) for _ in range(4)])
+    remat.apply(model, Plan(strategy="by hand", blocks=tuple(remat.blocks(model)), ops=_plans("segment")))
+    for step in range(1, 3):
+        model(torch.randn(32, 16)).sum().backward()  # one segment: its replay runs blocks 0-2 through
+        assert [len(b.store["aux"]) for b in model] == [step] * 4

@@ -92,6 +92,7 @@ call is not seen, as for its own generators.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import hashlib
@@ -573,11 +574,17 @@ class GeneratorWatch(TorchDispatchMode):
         # Outside tensors an op of the call updated in place from their own values (``acc.add_(...)``,
         # ``ema.lerp_(...)``): a replay would update them a second time.
         self.updated: dict[int, weakref.ref[torch.Tensor]] = {}
+        # Outside tensors the call filled only part of (read: the rest keeps the values from outside).
+        self.partial: dict[int, weakref.ref[torch.Tensor]] = {}
 
     @property
     def all_reads(self) -> tuple[weakref.ref[torch.Tensor], ...]:
         """The reads, with the tensors the call only took views of and never wrote through one."""
-        rest = [ref for key, ref in self.pending.items() if key not in self.known and key not in self.reads]
+        rest = [
+            ref
+            for key, ref in {**self.pending, **self.partial}.items()
+            if key not in self.known and key not in self.reads
+        ]
         return (*self.reads.values(), *rest)
 
     def _root(self, t: torch.Tensor) -> torch.Tensor | None:
@@ -586,12 +593,18 @@ class GeneratorWatch(TorchDispatchMode):
             return None
         return entry[1]()
 
-    def _decide(self, t: torch.Tensor, written: bool, overwrites: bool = True) -> None:
-        if written and not overwrites and id(t) not in self.known:
+    def _decide(self, t: torch.Tensor, written: bool, overwrites: bool = True, whole: bool = True) -> None:
+        if written and id(t) not in self.known and (not overwrites or id(t) in self.reads):
+            # Updated from its own values: in place (``acc.add_``), or read first and then overwritten
+            # (``ema.copy_(0.9 * ema + ...)``): a replay reads the updated values and updates it again.
             self.updated.setdefault(id(t), weakref.ref(t))
         if id(t) in self.known or id(t) in self.reads:
             return
-        if written and not overwrites:
+        if written and overwrites and not whole:
+            # A fill of only part of it (``mem[:n] = x``, ``masked_fill_``): the rest of its values are the
+            # outside tensor's, read by whatever reads it next.
+            self.partial.setdefault(id(t), weakref.ref(t))
+        elif written and not overwrites:
             self.reads[id(t)] = weakref.ref(t)
         elif written:
             self.known.add(id(t))  # filled by the call before any read: not an input
@@ -604,9 +617,13 @@ class GeneratorWatch(TorchDispatchMode):
         if isinstance(gen, torch.Generator) and id(gen) not in self.defaults and id(gen) not in self.found:
             self.found[id(gen)] = (gen, gen.get_state())
         written = _written(func, args, kwargs)
+        # An out= variant that reads what it writes (``torch.add(acc, s, out=acc)``) updates it, as ``acc.add_(s)``.
+        read_too = _read_args(func, args, kwargs) & written if written else set()
         overwrites = _overwrites(func)
         view = bool(getattr(func, "is_view", False)) and not written
         roots: list[torch.Tensor] = []  # what the view this op makes is a view of (outside tensors)
+        if _metadata_only(func):  # ``torch.zeros_like(ws)``: its values are not read
+            return func(*args, **kwargs)
         for t in tree_leaves((args, kwargs)):
             if not isinstance(t, torch.Tensor):
                 continue
@@ -617,7 +634,8 @@ class GeneratorWatch(TorchDispatchMode):
                     if view:
                         roots.append(root)
                     else:
-                        self._decide(root, id(t) in written, overwrites)
+                        whole = root.numel() == t.numel() and not _partial(func)
+                        self._decide(root, id(t) in written, overwrites and id(t) not in read_too, whole)
                 continue
             if id(t) in self.buffers and id(t) not in self.reads and id(t) not in written and not view:
                 self.buffers.discard(id(t))
@@ -625,12 +643,14 @@ class GeneratorWatch(TorchDispatchMode):
             elif id(t) in self.buffers and (id(t) in written or view):
                 self.buffers.discard(id(t))  # written first (or through a view: on the safe side, not a read)
             if id(t) in self.known or id(t) in self.reads:
+                if id(t) in self.reads and id(t) in written:
+                    self._decide(t, True, overwrites and id(t) not in read_too)  # read before: updated
                 continue
             if view:
                 roots.append(t)
                 self.pending.setdefault(id(t), weakref.ref(t))
             else:
-                self._decide(t, id(t) in written, overwrites)
+                self._decide(t, id(t) in written, overwrites and id(t) not in read_too, not _partial(func))
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -668,6 +688,46 @@ _OVERWRITING = frozenset(
 )
 
 
+# Of those, the ones that write only some of its elements (a mask, indices): the others keep the values the
+# tensor had, which the call reads from outside.
+_PARTIAL = frozenset(
+    {"index_put_", "_index_put_impl_", "masked_fill_", "index_fill_", "index_copy_", "masked_scatter_"}
+)
+
+
+def _partial(func: Any) -> bool:
+    packet = getattr(func, "overloadpacket", None)
+    return getattr(packet, "__name__", "") in _PARTIAL
+
+
+# Ops that read only the shape, dtype and device of their tensor arguments.
+_METADATA_ONLY = frozenset(
+    {
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "new_empty",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+        "new_empty_strided",
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+        "sym_storage_offset",
+    }
+)
+
+
+def _metadata_only(func: Any) -> bool:
+    packet = getattr(func, "overloadpacket", None)
+    return getattr(packet, "__name__", "") in _METADATA_ONLY
+
+
 def _overwrites(func: Any) -> bool:
     """Whether ``func`` writes without reading what it writes (``_OVERWRITING``; an ``out=`` variant)."""
     packet = getattr(func, "overloadpacket", None)
@@ -697,6 +757,24 @@ def _written(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> set[int]
     for i, arg in enumerate(arguments):
         alias = arg.alias_info
         if alias is None or not alias.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        for t in tree_leaves(value):
+            if isinstance(t, torch.Tensor):
+                out.add(id(t))
+    return out
+
+
+def _read_args(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> set[int]:
+    """Ids of the tensors an op takes as arguments it does not write into."""
+    out: set[int] = set()
+    try:
+        arguments = func._schema.arguments
+    except AttributeError:
+        return out
+    for i, arg in enumerate(arguments):
+        alias = arg.alias_info
+        if alias is not None and alias.is_write:
             continue
         value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
         for t in tree_leaves(value):
@@ -1189,13 +1267,29 @@ def _bindings_kept(module: nn.Module) -> Iterator[None]:
     dict or list attribute the recomputation writes into (``self.store["aux"] = ...``) are put back too:
     the replay's tensor there held its graph to the next step (1.42x the budget)."""
     bound = [(sub, dict(sub.__dict__)) for sub in module.modules()]
-    dicts = [
-        (value, dict(value))
-        for _, before in bound
-        for name, value in before.items()
-        if type(value) is dict and name not in _MODULE_DICTS
-    ]
-    lists = [(value, list(value)) for _, before in bound for value in before.values() if type(value) is list]
+    dicts: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
+    lists: list[tuple[list[Any], list[Any]]] = []
+    seen: set[int] = set()
+
+    def collect(value: Any, depth: int) -> None:
+        # The containers in an attribute, and the ones in them (``self.store = {"aux": []}``, a defaultdict(list)).
+        if depth > 2 or id(value) in seen:
+            return
+        if type(value) in _DICTS:
+            seen.add(id(value))
+            dicts.append((value, dict(value)))
+            for v in list(value.values()):
+                collect(v, depth + 1)
+        elif type(value) is list:
+            seen.add(id(value))
+            lists.append((value, list(value)))
+            for v in value:
+                collect(v, depth + 1)
+
+    for _, before in bound:
+        for name, value in before.items():
+            if name not in _MODULE_DICTS:
+                collect(value, 0)
     try:
         yield
     finally:
@@ -1215,6 +1309,7 @@ def _bindings_kept(module: nn.Module) -> Iterator[None]:
                 seq[:] = was
 
 
+_DICTS = (dict, collections.defaultdict, collections.OrderedDict)
 _MODULE_DICTS = frozenset(vars(nn.Module()))  # _parameters, _buffers, _modules, the hook dicts
 
 

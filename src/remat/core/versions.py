@@ -10,13 +10,14 @@ shift)``) is worse: the plain backward never looks at it and is right, the repla
 So every recording of a recomputed region notes each tensor it drops in the forward, weakly, with its
 version then (:func:`note_saved`: remat's span hooks, and torch's checkpoint under an op-level policy
 through its determinism-check metadata), and, at the end of each call, the tensors the member's first
-call read from outside (``GeneratorWatch`` in ``remat.core.runtime``, a dispatch mode on that call
+call read from outside (a shape-only read, ``zeros_like(t)``, is none; a tensor filled only in part is
+one) (``GeneratorWatch`` in ``remat.core.runtime``, a dispatch mode on that call
 only: none made by the call, none of its arguments, parameters or buffers, none an op of the call
 wrote before reading); a replay first asks :func:`edited_since` of those still alive: one whose
 version moved is a ``RematError`` naming the member. Arguments have their own check (autograd's,
 through ``_SaveInputs``). Not seen: a tensor read without being saved that is another object on
 each call than on the first (a tensor the model's code makes anew each step and hands over in an
-attribute).
+attribute), nor one a block starts reading on a later call than its first (behind a warm-up flag).
 
 Some in-place writes are not edits. remat's own: a nested plan's outer replay runs the inner members
 again, and a member that writes into a tensor of its own before using it (a workspace, also filled
