@@ -747,8 +747,9 @@ def _updated_error(name: str, t: torch.Tensor) -> RematError:
     )
 
 
-def _written(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> set[int]:
-    """Ids of the tensors an op writes into (in-place ops, ``out=``), from its schema."""
+def _written(func: Any, args: Sequence[Any], kwargs: dict[str, Any], *, write: bool = True) -> set[int]:
+    """Ids of the tensors an op writes into (in-place ops, ``out=``), from its schema; with ``write=False``,
+    of those it takes as arguments it does not write into."""
     out: set[int] = set()
     try:
         arguments = func._schema.arguments
@@ -756,7 +757,7 @@ def _written(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> set[int]
         return out
     for i, arg in enumerate(arguments):
         alias = arg.alias_info
-        if alias is None or not alias.is_write:
+        if (alias is not None and alias.is_write) != write:
             continue
         value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
         for t in tree_leaves(value):
@@ -767,20 +768,7 @@ def _written(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> set[int]
 
 def _read_args(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> set[int]:
     """Ids of the tensors an op takes as arguments it does not write into."""
-    out: set[int] = set()
-    try:
-        arguments = func._schema.arguments
-    except AttributeError:
-        return out
-    for i, arg in enumerate(arguments):
-        alias = arg.alias_info
-        if alias is not None and alias.is_write:
-            continue
-        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
-        for t in tree_leaves(value):
-            if isinstance(t, torch.Tensor):
-                out.add(id(t))
-    return out
+    return _written(func, args, kwargs, write=False)
 
 
 def _digest(state: torch.Tensor) -> bytes:
