@@ -576,6 +576,10 @@ class GeneratorWatch(TorchDispatchMode):
         self.updated: dict[int, weakref.ref[torch.Tensor]] = {}
         # Outside tensors the call filled only part of (read: the rest keeps the values from outside).
         self.partial: dict[int, weakref.ref[torch.Tensor]] = {}
+        # Parts of outside tensors the call overwrote whole through a view (``ws[:n].copy_(x)``,
+        # ``ws.narrow(0, 0, n).zero_()``), by (storage offset, shape, strides): later uses of that same part
+        # read or update the call's own values, not the outside tensor's.
+        self.filled: dict[int, set[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
 
     @property
     def all_reads(self) -> tuple[weakref.ref[torch.Tensor], ...]:
@@ -623,7 +627,11 @@ class GeneratorWatch(TorchDispatchMode):
         view = bool(getattr(func, "is_view", False)) and not written
         roots: list[torch.Tensor] = []  # what the view this op makes is a view of (outside tensors)
         if _metadata_only(func):  # ``torch.zeros_like(ws)``: its values are not read
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            for t in tree_leaves(out):  # but what it makes is the call's own (x.new_zeros(n).scatter_add_(...))
+                if isinstance(t, torch.Tensor):
+                    self.made[id(t)] = weakref.ref(t)
+            return out
         for t in tree_leaves((args, kwargs)):
             if not isinstance(t, torch.Tensor):
                 continue
@@ -634,7 +642,23 @@ class GeneratorWatch(TorchDispatchMode):
                     if view:
                         roots.append(root)
                     else:
+                        region = (int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
+                        if region in self.filled.get(id(root), ()):
+                            continue  # the part of it the call filled itself
                         whole = root.numel() == t.numel() and not _partial(func)
+                        if (
+                            id(t) in written
+                            and overwrites
+                            and id(t) not in read_too
+                            and not whole
+                            and not _partial(func)
+                            and id(root) not in self.known
+                            and id(root) not in self.reads
+                        ):
+                            # A part filled whole before any read of it: the call's own from here on.
+                            self.filled.setdefault(id(root), set()).add(region)
+                            self.pending.pop(id(root), None)
+                            continue
                         self._decide(root, id(t) in written, overwrites and id(t) not in read_too, whole)
                 continue
             if id(t) in self.buffers and id(t) not in self.reads and id(t) not in written and not view:
