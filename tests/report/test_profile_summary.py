@@ -34,7 +34,10 @@ def test_profile_summary_says_why_blocks_are_not_a_chain_and_which_are_stateful(
     text = replace(prof, block_profiles=tuple(bps), is_chain=False).summary()
     b0, b1 = prof.blocks[0].name, prof.blocks[1].name
     assert (
-        f"the blocks do not form a chain (the solvers recompute blocks one at a time): a later block reuses the "
-        f"output of {b0}, {b1} takes inputs made between blocks"
+        f"the blocks do not form a chain (no segment goes on across 1 of 2 block boundaries): a later "
+        f"block reuses the output of {b0}, {b1} takes inputs made between blocks"
     ) in text
+    bps[2] = replace(bps[2], linked=False)
+    text = replace(prof, block_profiles=tuple(bps), is_chain=False).summary()
+    assert "the blocks do not form a chain (the solvers recompute blocks one at a time)" in text
     assert text.splitlines()[-1] == f"  stateful blocks, always kept: {b1} (counter)"

@@ -378,17 +378,29 @@ class Profile:
             lines.append("  the blocks form a chain: the solvers may recompute several together as one segment")
         else:
             breaks = []
+            cut: set[int] = set()  # boundaries (k: between blocks k and k + 1) no segment goes on across
             for b, bp in zip(self.blocks, self.block_profiles):
                 last = b.index == n - 1
                 if not bp.linked:
                     breaks.append(f"{b.name} takes inputs made between blocks")
+                    cut.add(b.index - 1)
                 elif bp.reused_bytes and not last:
                     breaks.append(f"a later block reuses the output of {b.name}")
+                    cut.add(b.index)
                 elif not bp.chainable and not last:
                     breaks.append(f"memory stays allocated after {b.name}")
+                    cut.add(b.index)
+            cut.discard(-1)
             more = f" and {len(breaks) - 3} more" if len(breaks) > 3 else ""
             why = f": {', '.join(breaks[:3])}{more}" if breaks else ""
-            lines.append(f"  the blocks do not form a chain (the solvers recompute blocks one at a time){why}")
+            # The solvers join blocks wherever the boundary allows (plan.chain's ``joinable``), so a
+            # break at one boundary does not make them recompute every block alone.
+            where = (
+                f"no segment goes on across {len(cut)} of {n - 1} block boundaries"
+                if 0 < len(cut) < n - 1
+                else "the solvers recompute blocks one at a time"
+            )
+            lines.append(f"  the blocks do not form a chain ({where}){why}")
         with_subs = [b.name for b, bp in zip(self.blocks, self.block_profiles) if bp.subs]
         if with_subs:
             lines.append(f"  attention / MLP found in {len(with_subs)} of {n} blocks (they may be recomputed alone)")
