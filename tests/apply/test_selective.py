@@ -13,12 +13,13 @@ from torch import nn
 
 import remat
 from remat.blocks import resolve
-from remat.core.ops import Recompute
+from remat.core.ops import Keep, Recompute, RecomputeOps
 from remat.core.selective import run_selective
 from remat.core.trace import record_memory
 from remat.errors import RematError
 from remat.models import Workload, workload
 from remat.plan.policies import OpPolicy, make_policy, policy_menu, validate_policy
+from remat.plan.types import Plan
 from remat.profile.ops import BlockOps, profile_ops
 
 
@@ -498,3 +499,35 @@ def test_a_policy_block_under_a_torch_func_transform_is_refused_clearly() -> Non
 
     with pytest.raises(RematError, match="runs under a torch.func transform"):
         torch.func.grad(loss)(params)
+
+
+class _CountingBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        count.add_(1)  # a step counter passed in: the policy's recomputation would add again
+        return torch.tanh(self.fc(x)) + count.sum() * 0.01
+
+
+class _CountingNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_CountingBlock() for _ in range(2)])
+
+    def forward(self, x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, count)
+        return x
+
+
+def test_a_policy_on_a_block_that_edits_its_tensor_argument_is_refused_on_the_call() -> None:
+    torch.manual_seed(0)
+    model = _CountingNet()
+    plan = Plan(strategy="hand", blocks=remat.blocks(model), ops=(RecomputeOps(0, ("addmm#0",)), Keep(1)))
+    remat.apply(model, plan)
+    count = torch.zeros(3)
+    with pytest.raises(RematError, match=r"edits its tensor argument #1 in place, so an op-level policy"):
+        model(torch.randn(8, 16), count)
+    assert count.tolist() == [1.0, 1.0, 1.0]  # the call ran once, as the plain model's

@@ -22,6 +22,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from remat.blocks import Block, resolve
 from remat.core.tree import leaves as tree_leaves
 from remat.core.tree import output_leaves
+from remat.errors import RematError
 
 __all__ = ["Event", "Callback", "Probe", "probe", "storages", "sequence_mark", "made_since", "restored_buffer"]
 
@@ -103,10 +104,24 @@ class Event(str, Enum):
 Callback = Callable[[Event, int], None]
 
 
+def _strided(leaves: Any) -> Iterator[Any]:
+    """The leaves, with a sparse tensor (COO, CSR/CSC, BSR/BSC), which has no storage of its own, replaced by
+    the strided tensors that hold its data (its indices and values): their bytes are what it holds."""
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.layout is torch.sparse_coo:
+            yield from (leaf._indices(), leaf._values())
+        elif isinstance(leaf, torch.Tensor) and leaf.layout in (torch.sparse_csr, torch.sparse_bsr):
+            yield from (leaf.crow_indices(), leaf.col_indices(), leaf.values())
+        elif isinstance(leaf, torch.Tensor) and leaf.layout in (torch.sparse_csc, torch.sparse_bsc):
+            yield from (leaf.ccol_indices(), leaf.row_indices(), leaf.values())
+        else:
+            yield leaf
+
+
 def _live_storages(obj: Any, exclude: set[int], out: bool = False) -> Iterator[tuple[int, torch.UntypedStorage]]:
     """(data pointer, storage) of every tensor in ``obj`` (a pytree; ``out``: what a block returns, read
     with ``output_leaves``) whose pointer is not in ``exclude``."""
-    for leaf in output_leaves(obj) if out else tree_leaves(obj):
+    for leaf in _strided(output_leaves(obj) if out else tree_leaves(obj)):
         if isinstance(leaf, torch.Tensor):
             try:
                 # A DTensor (FSDP2's sharded parameters) or a freed storage has no data pointer: skip it.
@@ -178,6 +193,7 @@ class Probe:
         self.members = resolve(model, block_list)
         self.subs = [model.get_submodule(f) for b in block_list for f in (*b.attention_fqns, *b.ffn_fqns)]
         self.sub_names = [f for b in block_list for f in (*b.attention_fqns, *b.ffn_fqns)]
+        self.block_names = [", ".join(b.fqns) for b in block_list]
         self.callback = callback
         self.track = track
         self.params = set(storages(list(model.parameters()), set()))
@@ -297,6 +313,20 @@ class Probe:
                         self.edits_own_link[index] &= all(id(t) in own for t in edited)
             if self._active and self._active[-1] == slot:
                 self._active.pop()
+            if self.track and kind is Event.FORWARD_END:
+                lazy = [
+                    leaf
+                    for leaf in output_leaves(out)
+                    if isinstance(leaf, Iterator) and not isinstance(leaf, torch.Tensor)
+                ]
+                if lazy:
+                    # A generator (or another iterator) holds its tensors where no pytree reaches them: the profile
+                    # would count the block's output as 0 bytes, and plans recomputing it run over their budget.
+                    raise RematError(
+                        f"profile: block {self.block_names[index]!r} returns a {type(lazy[0]).__name__} (an iterator), "
+                        "whose tensors remat cannot see without consuming it, so it cannot measure what the block's "
+                        "output holds; return a tuple or a list instead"
+                    )
             if kind is Event.FORWARD_END:
                 raw = self._raw_outs.pop(index, None)
                 self._prev_outs = (

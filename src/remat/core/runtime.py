@@ -1699,6 +1699,7 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
     if role.learned and role.learned_training != module.training:
         role.learned = False  # NOTE [ State under recomputation ]: a mode change learns again
     buffers = [(name, b, b._version) for name, b in module.named_buffers()]
+    arg_versions = [(i, t, t._version) for i, t in enumerate(leaves((args, kwargs))) if isinstance(t, torch.Tensor)]
     watch = (
         GeneratorWatch(_known(module, leaves((args, kwargs))), module.buffers())
         if not role.learned
@@ -1736,6 +1737,15 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
             role.learned = False  # refused on every call, not only the first
             raise _updated_error(role.name, updated[0])
     saved.extend(_note_reads(role))
+    edited = [i for i, t, version in arg_versions if t._version != version]
+    if edited:
+        # Torch's selective checkpoint would run the edit again in the backward, on the argument itself (its
+        # saved-tensor check then fails there with a RuntimeError that names no module, or the edit lands twice).
+        raise RematError(
+            f"apply: module {role.name!r} edits its tensor argument #{edited[0]} in place, so an op-level policy "
+            "(RecomputeOps) would edit it again in its recomputation; keep this block (remat.plan does not offer "
+            "policies for such blocks)"
+        )
     changed = [name for name, b, version in buffers if b._version != version]
     if changed:
         # Its recomputation in the backward would update them a second time: refuse before that happens

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import threading
 import types
 import weakref
@@ -138,12 +139,52 @@ def _names(leaf: Any, objects: bool) -> tuple[str, ...] | None:
     return None
 
 
+def _contents(leaf: Any) -> Any:
+    """What an object that pytree takes as one leaf holds, as plain containers, for reading what a block
+    returns (never rebuilt): a tuple, list or dict subclass pytree does not know, an object with ``__slots__``
+    and no ``__dict__``, a ``functools.partial``, a function's closure; ``_MISSING`` for anything else.
+    Left closed, the tensors in them were invisible: the profile counted such an output as 0 bytes and its
+    segments linked nothing (plans 1.08-1.16x their budget)."""
+    if isinstance(leaf, (torch.Tensor, nn.Module, type)) or type(leaf) in SUPPORTED_NODES or _closed(leaf):
+        return _MISSING
+    if isinstance(leaf, (tuple, list)):
+        return list(leaf)
+    if isinstance(leaf, dict):
+        return dict(leaf)
+    if isinstance(leaf, functools.partial):
+        return [leaf.args, dict(leaf.keywords)]
+    if isinstance(leaf, types.FunctionType):
+        cells = []
+        for cell in leaf.__closure__ or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        return cells if cells else _MISSING
+    if not hasattr(leaf, "__dict__"):
+        names = []
+        for cls in type(leaf).__mro__:
+            slots = getattr(cls, "__slots__", ())
+            names += [slots] if isinstance(slots, str) else [n for n in slots if isinstance(n, str)]
+        values = {n: getattr(leaf, n) for n in names if n != "__weakref__" and hasattr(leaf, n)}
+        return values if values else _MISSING
+    return _MISSING
+
+
 def _open(tree: Any, depth: int, inside: set[int], objects: bool) -> Any:
     # ``inside``: the instances being opened around this point (an instance holding itself is a leaf there);
     # one that appears twice elsewhere is opened twice, and rebuilt once (_MEMO).
     def one(leaf: Any) -> Any:
         if depth >= _DEPTH or id(leaf) in inside or isinstance(leaf, torch.Tensor):
             return leaf
+        if objects:
+            inner = _contents(leaf)
+            if inner is not _MISSING:
+                inside.add(id(leaf))
+                try:
+                    return _open(inner, depth + 1, inside, objects)
+                finally:
+                    inside.discard(id(leaf))
         names = _names(leaf, objects)
         if names is None:
             return leaf
@@ -184,6 +225,6 @@ def output_leaves(tree: Any) -> list[Any]:
     """The leaves of what a block returns: :func:`leaves`, and the attributes of plain objects holding
     tensors opened too (``return Out(h)`` of a class of the user's own; read only, never rebuilt)."""
     flat = tree_leaves(tree)
-    if not any(_closed(leaf) or _plain(leaf) for leaf in flat):
+    if not any(_closed(leaf) or _plain(leaf) or _contents(leaf) is not _MISSING for leaf in flat):
         return flat
     return tree_leaves(_open(tree, 0, set(), True))
