@@ -157,3 +157,36 @@ def test_sparse_tensors_between_blocks_are_counted_by_their_indices_and_values(l
     prof = remat.profile(model, x, _loss, repeats=1, progress=False)
     assert [bp.output_bytes for bp in prof.block_profiles] == [_sparse_bytes(o) for o in outs]
     _held_to_budget(model, x, prof, remat.plan(prof, budget="80%"))
+
+
+class PairIn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, s: Pair) -> Pair:
+        x = s[0] + s[1]
+        h = x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+        return Pair((h, torch.tanh(h)))
+
+
+class PairNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([PairIn() for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = Pair((x, x))
+        for layer in self.layers:
+            s = layer(s)
+        return s[0]
+
+
+def test_an_argument_in_a_container_pytree_does_not_open_is_counted_as_the_blocks_input() -> None:
+    torch.manual_seed(0)
+    model, x = PairNet(), torch.randn(N, D)
+    prof = remat.profile(model, x, _loss, repeats=1, progress=False)
+    # Each block takes the pair the block before returned (the first: x twice, one storage).
+    assert [bp.input_bytes for bp in prof.block_profiles] == [N * D * 4] + [2 * N * D * 4] * 3
+    for plan in (remat.plan(prof, budget="80%"), _smallest_plan(prof)):
+        _held_to_budget(model, x, prof, plan)

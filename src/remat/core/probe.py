@@ -264,7 +264,7 @@ class Probe:
             self.callback(kind, index)
             self._active.append(slot)
             if self.track:
-                self.inputs[slot].update(storages((args, kwargs), self.params))
+                self.inputs[slot].update(storages((args, kwargs), self.params, out=True))
                 if kind is Event.SUB:
                     for ptr, st in _live_storages((args, kwargs), self.params):
                         self.input_ids[slot][ptr] = self._identity(st)

@@ -246,6 +246,9 @@ class Chain:
     joinable: tuple[bool, ...] = ()
     late_inputs: tuple[tuple[int, int, int, tuple[int, ...]], ...] = ()
     held_input_bwd_bytes: tuple[int, ...] = ()
+    # Per block, the rise of the code before it above the level at its start (included in fwd_peak_bytes;
+    # a sub-module checkpoint does not lower it).
+    gap_rise_bytes: tuple[int, ...] = ()
     # Derived in __post_init__: n, and prefix sums over the blocks for segment_bytes.
     _n: int = field(init=False, repr=False, compare=False)
     _inside: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -275,6 +278,7 @@ class Chain:
             "rng_copy_bytes",
             "grad_bytes",
             "held_input_bwd_bytes",
+            "gap_rise_bytes",
         ):
             if not getattr(self, name):
                 object.__setattr__(self, name, (0,) * len(self.fwd_ms))
@@ -536,7 +540,14 @@ def chain_of(profile: Profile) -> Chain:
         # receives, a mask, rotary tables, are held before block 0 and counted once, in base_bytes).
         x_bytes=(bps[0].input_bytes, *handed[:-1], profile.head_input_bytes),
         keep_bytes=tuple(b.keep_bytes for b in bps) + (0,),
-        fwd_peak_bytes=tuple(b.fwd_peak_bytes for b in bps) + (profile.head_peak_bytes,),
+        # A transient of the code before block k (gap_peak_bytes of block k-1, above the level at k-1's
+        # end, so less g[k-1] above the level at k's start) is charged as part of block k's forward peak:
+        # on the safe side where k is replayed (the gap's code is not).
+        fwd_peak_bytes=tuple(
+            max(b.fwd_peak_bytes, (bps[i - 1].gap_peak_bytes - bps[i - 1].gap_bytes) if i > 0 else 0)
+            for i, b in enumerate(bps)
+        )
+        + (profile.head_peak_bytes,),
         # Measured against the level at the end of the block's forward, which still holds the input the
         # plain step frees right after it (freed_input_bytes): the simulator charges bp from the level
         # after that gap, so the freed input is added back (else an autocast block's backward peak is
@@ -589,4 +600,5 @@ def chain_of(profile: Profile) -> Chain:
         grad_bytes=tuple(b.grad_bytes for b in bps) + (profile.head_grad_bytes,),
         late_inputs=tuple((li.nbytes, li.producer, li.freed_after, tuple(li.users)) for li in profile.late_inputs),
         held_input_bwd_bytes=tuple(b.held_input_bwd_bytes for b in bps) + (0,),
+        gap_rise_bytes=(0,) + tuple(max(0, b.gap_peak_bytes - b.gap_bytes) for b in bps[:-1]) + (0,),
     )

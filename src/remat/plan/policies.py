@@ -518,6 +518,8 @@ def op_costs(profile: Profile) -> dict[tuple[int, RecomputeOps], tuple[int, floa
             rise = max(bp.fwd_peak_bytes - policy.held_bytes, _replay_rise(block_ops, live, cached, bp.fwd_peak_bytes))
             replay = bp.pending_grad_bytes + profile.ckpt_state_bytes + rise
             bwd = bp.bwd_peak_bytes + max(0, -bp.gap_bytes)
-            transient = max(held, replay - bwd - saved)
+            # Inputs the plain step frees inside the block's backward stay held by the checkpoint to its
+            # end (NOTE [ Inputs held to the sub-module's backward end ]), as for a segment over the block.
+            transient = max(held + bp.held_input_bwd_bytes, replay - bwd - saved)
             out[(i, RecomputeOps(i, policy.save, policy.freed))] = (saved, extra_ms, transient)
     return out

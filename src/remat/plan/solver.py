@@ -178,7 +178,7 @@ def _kept_sizes(chain: Chain, k: int, saved: int, transient: int = 0, fwd_drop: 
     ``remat.profile.types``).
     """
     keep, fwd_peak, bwd_peak = chain.kept_level_bytes(k), int(chain.fwd_peak_bytes[k]), int(chain.bwd_peak_bytes[k])
-    return keep - saved, fwd_peak - fwd_drop, bwd_peak + saved + transient
+    return keep - saved, max(fwd_peak - fwd_drop, int(chain.gap_rise_bytes[k])), bwd_peak + saved + transient
 
 
 @dataclass(frozen=True)

@@ -1125,6 +1125,13 @@ def _assemble(
                 saved_bytes=sum(tracked.saved[i].values()),
                 keep_bytes=trace.level_at(f1) - l_f0,
                 fwd_peak_bytes=trace.peak_between(f0, f1) - l_f0,
+                # The code between this block and the next (ProphetNet's decoder preamble) may rise above
+                # both levels and fall again: its peak above the level at this block's forward end.
+                gap_peak_bytes=(
+                    max(0, trace.peak_between(f1, mt(Event.FORWARD, i + 1, f1)) - trace.level_at(f1))
+                    if i + 1 < n
+                    else 0
+                ),
                 # Against the level after this block's forward and the parameter gradients allocated before
                 # its backward: what NOTE [ Chain cost model ] assumes at the start of its backward; the
                 # rest of the difference (the gradient of its output) is then charged to every block's

@@ -204,6 +204,7 @@ class BlockProfile:
     gap_freed_output_bytes: int = 0
     backward: bool = True
     held_input_bwd_bytes: int = 0
+    gap_peak_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.own_output_bytes < 0:  # profiles written before the field existed
