@@ -61,6 +61,7 @@ def apply(
     blocks: Sequence[Block] | None = None,
     profile: Profile | None = None,
     allow_stateful: bool = False,
+    allow_saved_tensor_hooks: bool = False,
 ) -> Plan:
     """Checkpoint ``model`` in place according to a plan or a strategy.
 
@@ -79,6 +80,9 @@ def apply(
         allow_stateful: Recompute blocks whose forward updates buffers other than BatchNorm's (a
             stateful forward); by default the first such forward raises a ``RematError`` and leaves
             the model's state as it was (NOTE [ State under recomputation ]).
+        allow_saved_tensor_hooks: Recompute blocks whose forward runs under saved-tensor hooks of your own
+            that give back exactly what they are given (activation offloading); by default a RematError
+            (NOTE [ Saved-tensor hooks around the forward ] in ``remat.core.runtime``).
 
     Returns:
         The plan now in effect.
@@ -89,7 +93,12 @@ def apply(
         RematError: If the plan's operations do not cover its blocks once each, in order, a strategy
             needs a profile and none is given, or ``plan`` is neither a Plan nor a strategy.
     """
-    return apply_plan(model, _as_plan("apply", plan, model, blocks, profile), allow_stateful=allow_stateful)
+    return apply_plan(
+        model,
+        _as_plan("apply", plan, model, blocks, profile),
+        allow_stateful=allow_stateful,
+        allow_saved_tensor_hooks=allow_saved_tensor_hooks,
+    )
 
 
 def check_gradients(

@@ -22,7 +22,9 @@ from remat.plan.types import Plan
 __all__ = ["apply", "remove", "applied", "checkpoint", "CheckpointedSequential"]
 
 
-def apply(model: nn.Module, plan: Plan, *, allow_stateful: bool = False) -> Plan:
+def apply(
+    model: nn.Module, plan: Plan, *, allow_stateful: bool = False, allow_saved_tensor_hooks: bool = False
+) -> Plan:
     """Checkpoint ``model`` in place according to a plan.
 
     Each recomputed segment drops what autograd saves inside its blocks and, in the backward, replays
@@ -40,6 +42,11 @@ def apply(model: nn.Module, plan: Plan, *, allow_stateful: bool = False) -> Plan
         allow_stateful: Recompute blocks whose forward updates buffers other than BatchNorm's (a
             stateful forward); by default the first such forward raises a ``RematError`` and leaves
             the model's state as it was (NOTE [ State under recomputation ]).
+        allow_saved_tensor_hooks: Recompute blocks whose forward runs under saved-tensor hooks of your own
+            that give back exactly what they are given (activation offloading): the recomputed blocks
+            bypass them, as under ``torch.utils.checkpoint``. By default such a forward raises a
+            ``RematError``, as lossy hooks (compression) would make the gradients differ; torch's
+            ``save_on_cpu`` is allowed without it (NOTE [ Saved-tensor hooks around the forward ]).
 
     Returns:
         The plan now in effect.
@@ -64,7 +71,9 @@ def apply(model: nn.Module, plan: Plan, *, allow_stateful: bool = False) -> Plan
     except BlockSelectionError as e:
         if unwrap(model) is not model:
             # A plan made on the model a DDP wrapper holds (NOTE [ Wrapped models ] in remat.core.wrapped).
-            return apply(unwrap(model), plan, allow_stateful=allow_stateful)
+            return apply(
+                unwrap(model), plan, allow_stateful=allow_stateful, allow_saved_tensor_hooks=allow_saved_tensor_hooks
+            )
         raise PlanMismatchError(f"apply: the plan ({plan.strategy}) does not fit this model: {e}") from None
     if plan.fingerprint is not None:
         # "<blocks>.<run>" (remat.blocks.fingerprint); a plan written before <run> existed has only <blocks>.
@@ -87,7 +96,15 @@ def apply(model: nn.Module, plan: Plan, *, allow_stateful: bool = False) -> Plan
                 f"{plan.blocks[-1].name}) of a model with a different number of such modules; {found}; a plan "
                 "must cover the blocks of the model it was made for, not part of them: profile and plan this model again"
             )
-    attach(model, plan, plan.ops, members, [b.fqns for b in plan.blocks], allow_stateful=allow_stateful)
+    attach(
+        model,
+        plan,
+        plan.ops,
+        members,
+        [b.fqns for b in plan.blocks],
+        allow_stateful=allow_stateful,
+        allow_hooks=allow_saved_tensor_hooks,
+    )
     return plan
 
 

@@ -202,6 +202,7 @@ class _Role:
     previous_forward: Any  # an instance ``forward`` the module had before remat, or None
     name: str
     allow_stateful: bool = False
+    allow_hooks: bool = False  # NOTE [ Saved-tensor hooks around the forward ]
     learned: bool = False
     learned_training: bool = True  # the module's train/eval mode on the learning call: another mode learns again
     stateful: frozenset[str] = frozenset()
@@ -888,6 +889,7 @@ class _Call:
     inner: tuple[tuple[_Span, int], ...]
     flags: tuple[Any, ...] = ()  # backend flags at the call (NOTE [ Backend flags under recomputation ])
     params: tuple[tuple[nn.Module, str, torch.Tensor, int, int], ...] = ()  # (owner, name, tensor, version, address)
+    buffer_slots: tuple[tuple[nn.Module, str, torch.Tensor], ...] = ()  # (owner, name, tensor) at the call
     attrs: tuple[tuple[nn.Module, str, Any], ...] = ()  # (module, name, value before the call) of _Role.attrs
     py_rng: tuple[Any, Any] | None = None  # Python's and numpy's global RNG states, if the call drew from them
     # (module, "training", flag) of the member and its sub-modules at the call: a replay runs in the mode
@@ -1027,12 +1029,19 @@ class _Frame:
         # frame through a weak reference, as torch's _recomputation_hook does, or the frame would leak.
         pack = _replay_pack(weakref.ref(self), gid)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, _identity), torch.enable_grad(), replaying():
+            # A backward may run under torch.inference_mode() (the plain one does): the replay records a graph.
+            with (
+                torch.autograd.graph.saved_tensors_hooks(pack, _identity),
+                torch.inference_mode(False),
+                torch.enable_grad(),
+                replaying(),
+            ):
                 self._run_calls(self._edited_saves())
         except _Stop:
             pass
         except Exception as e:  # the model's code wrapped the stop in an error of its own (NOTE on _Stop)
             if not _stopped(e):
+                _raise_if_vmapped(self.span.name, e)
                 raise
             e.__cause__ = e.__context__ = e.__traceback__ = None  # hold none of the replay's frames
         self.done.add(gid)
@@ -1329,9 +1338,14 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     module, role = call.module, call.role
     if hasattr(module, "unshard") and _is_fsdp(module):
         module.unshard()  # type: ignore[operator]  # FSDP2: its parameters were resharded after the forward
+    swapped_buffers = _swap_buffers(call.buffer_slots)  # torch.func.functional_call's buffers, as at the call
     buffers = dict(module.named_buffers())
     current = {name: buffers[name].detach().clone() for name in call.state if name in buffers}
-    swapped = _swap_in_params(call)
+    try:
+        swapped = _swap_in_params(call)
+    except BaseException:
+        _put_back_buffers(swapped_buffers)
+        raise
     try:
         with torch.no_grad():
             for name, value in call.state.items():
@@ -1351,6 +1365,7 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             for name, value in current.items():
                 buffers[name].copy_(value)
         _put_back(swapped)
+        _put_back_buffers(swapped_buffers)
 
 
 # NOTE [ Parameters under recomputation ]
@@ -1380,6 +1395,34 @@ def _param_refs(module: nn.Module, role: _Role) -> tuple[tuple[nn.Module, str, t
         if t is not None:
             out.append((sub, name, t, t._version, _address(t)))
     return tuple(out)
+
+
+def _buffer_refs(module: nn.Module, role: _Role) -> tuple[tuple[nn.Module, str, torch.Tensor], ...]:
+    """The tensors in the buffer slots of ``module`` at a call (references): a replay puts them back in the
+    slots where other code swapped them since (``torch.func.functional_call`` with buffers of its own)."""
+    if not role.check_params or _fsdp_managed(module, role):
+        return ()
+    return tuple((sub, name, b) for sub in module.modules() for name, b in sub._buffers.items() if b is not None)
+
+
+def _swap_buffers(
+    slots: tuple[tuple[nn.Module, str, torch.Tensor], ...],
+) -> list[tuple[nn.Module, str, torch.Tensor | None, bool]]:
+    swapped: list[tuple[nn.Module, str, torch.Tensor | None, bool]] = []
+    for owner, name, t in slots:
+        now = owner._buffers.get(name)
+        if now is not t:
+            swapped.append((owner, name, now, name in owner._buffers))
+            owner._buffers[name] = t
+    return swapped
+
+
+def _put_back_buffers(swapped: Sequence[tuple[nn.Module, str, torch.Tensor | None, bool]]) -> None:
+    for owner, name, value, present in reversed(swapped):
+        if present:
+            owner._buffers[name] = value
+        else:
+            owner._buffers.pop(name, None)
 
 
 def _address(t: torch.Tensor) -> int:
@@ -1420,27 +1463,38 @@ def _check_params_kept(
         )
 
 
-def _swap_in_params(call: _Call) -> list[tuple[nn.Module, str, torch.Tensor | None]]:
-    swapped: list[tuple[nn.Module, str, torch.Tensor | None]] = []
-    for owner, name, t, version, address in call.params:
+def _swap_in_params(call: _Call) -> list[tuple[nn.Module, str, torch.Tensor | None, bool]]:
+    return _swap_params(call.role.name, call.params)
+
+
+def _swap_params(
+    block: str, params: tuple[tuple[nn.Module, str, torch.Tensor, int, int], ...]
+) -> list[tuple[nn.Module, str, torch.Tensor | None, bool]]:
+    """Put the tensors a call's forward found in its parameter slots back there for its recomputation
+    (NOTE [ Parameters under recomputation ]); returns what to put back afterwards (:func:`_put_back`)."""
+    swapped: list[tuple[nn.Module, str, torch.Tensor | None, bool]] = []
+    for owner, name, t, version, address in params:
         if t._version != version or _address(t) != address:
             _put_back(swapped)
             raise RematError(
-                f"apply: parameter {name!r} of module {call.role.name!r} was changed in place after the forward and "
+                f"apply: parameter {name!r} of module {block!r} was changed in place after the forward and "
                 "before the backward (an optimizer step or a clamp before backward(), p.data = ...), so its "
                 "recomputation would use other values; the plain model's backward would fail there too (torch: "
                 "'modified by an inplace operation'); change parameters after the backward"
             )
         now = owner._parameters.get(name)
         if now is not t:
-            swapped.append((owner, name, now))
+            swapped.append((owner, name, now, name in owner._parameters))
             owner._parameters[name] = t  # type: ignore[assignment]
     return swapped
 
 
-def _put_back(swapped: Sequence[tuple[nn.Module, str, torch.Tensor | None]]) -> None:
-    for owner, name, value in swapped:
-        owner._parameters[name] = value  # type: ignore[assignment]
+def _put_back(swapped: Sequence[tuple[nn.Module, str, torch.Tensor | None, bool]]) -> None:
+    for owner, name, value, present in reversed(swapped):
+        if present:
+            owner._parameters[name] = value  # type: ignore[assignment]
+        else:  # the slot was deleted since the forward (a parameter made a buffer): leave no None behind
+            owner._parameters.pop(name, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1617,6 +1671,8 @@ def _guarded_recompute(
     grads = [(p, p.requires_grad) for p in module.parameters()]
     plain = tuple(a for a in _plain_attrs(module, role) if a[1] != "training")  # at the call
     hooks = _hooks_at(module)
+    params = _param_refs(module, role)  # NOTE [ Parameters under recomputation ]: the forward's tensors
+    buffer_slots = _buffer_refs(module, role)
     runs = 0
 
     seen: list[tuple[Any, Any]] = []  # (object, snapshot) per non-tensor argument leaf
@@ -1653,8 +1709,11 @@ def _guarded_recompute(
                 "set between forward and backward); change them after the backward, or keep this block or "
                 "recompute it whole"
             )
+        swapped = _swap_params(role.name, params)
+        swapped_buffers = _swap_buffers(buffer_slots)
         try:
             with (
+                torch.inference_mode(False),
                 _bindings_kept(module),
                 _flags_as(flags),
                 _attrs_as(plain + (_attrs_changed(attrs) if learning else attrs)),
@@ -1671,6 +1730,7 @@ def _guarded_recompute(
                     "one), or keep this block"
                 ) from e
             if not any(marker in str(e) for marker in _SAC_ERRORS):
+                _raise_if_vmapped(role.name, e)
                 raise
             raise RematError(
                 f"apply: module {role.name!r} runs under an op-level policy (RecomputeOps), which torch's selective "
@@ -1679,8 +1739,60 @@ def _guarded_recompute(
                 f"other ops than the forward is not possible ({str(e).splitlines()[0]}); plan without op-level "
                 "policies (profile with remat.profile(..., ops=False)) or keep this block"
             ) from e
+        finally:
+            _put_back(swapped)
+            _put_back_buffers(swapped_buffers)
 
     return call
+
+
+def _raise_if_vmapped(name: str, e: BaseException) -> None:
+    """A replay that fails inside a backward run under vmap (``torch.autograd.grad(..., is_grads_batched=True)``):
+    torch's error (random ops under vmap) comes from inside remat; say which block and what to do."""
+    # is_grads_batched uses torch's legacy vmap, which functorch's interpreter stack does not show: the
+    # error names it.
+    if isinstance(e, RuntimeError) and (
+        torch._C._functorch.peek_interpreter_stack() is not None or str(e).startswith("vmap:")
+    ):
+        raise RematError(
+            f"apply: recomputing {name!r} failed inside a batched backward (torch.autograd.grad with "
+            f"is_grads_batched=True runs the backward under vmap): {str(e).splitlines()[0]}; remat.remove(model) "
+            "for such a backward, or loop over the grad outputs"
+        ) from e
+
+
+# NOTE [ Saved-tensor hooks around the forward ]
+# A caller's saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``: activation compression,
+# offloading) see every tensor the plain forward saves. A recomputed block saves nothing in its forward
+# (remat's own hooks, or torch's checkpoint's, are innermost there) and its replay's tensors never reach
+# them, as under torch.utils.checkpoint: where the hooks give back other values than they were given
+# (bf16 compression), the gradients differ from the plain model's, silently (helper-61: 3e-5 to 3e-4).
+# remat cannot tell a lossless hook from a lossy one, so a recomputed block's forward under hooks other
+# than torch's ``save_on_cpu`` (lossless), torch's checkpoint's and remat's own is a RematError, unless
+# ``remat.apply(..., allow_saved_tensor_hooks=True)`` says the hooks give back what they are given
+# (torchtune's activation offloading): then, as with torch's checkpoint, the recomputed blocks bypass them.
+_LOSSLESS_HOOKS = ("torch.utils.checkpoint", "remat.")
+
+
+def _refuse_outer_hooks(role: _Role) -> None:
+    if role.allow_hooks:
+        return
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    if not hooks:
+        return
+    pack = hooks[0]
+    where = getattr(pack, "__module__", None) or ""
+    if where.startswith(_LOSSLESS_HOOKS) or getattr(pack, "__qualname__", "").startswith("save_on_cpu."):
+        return
+    raise RematError(
+        f"apply: module {role.name!r} is recomputed, and its forward runs under saved-tensor hooks of the caller's "
+        f"({getattr(pack, '__qualname__', type(pack).__name__)} from {where or '?'}): a recomputed block saves "
+        "nothing in its forward and its replay's tensors do not pass through those hooks (as under "
+        "torch.utils.checkpoint), so where they change what they keep (compression) the gradients would differ "
+        "from the plain model's; if the hooks give back exactly what they are given (offloading), pass "
+        "allow_saved_tensor_hooks=True to remat.apply; else keep this block, or leave the hooks out of the forward"
+    )
 
 
 def _refuse_functorch(role: _Role) -> None:
@@ -1696,6 +1808,7 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
     """A block under an op-level policy (NOTE [ Op-level policies ] in ``remat.core.selective``)."""
     assert role.policy is not None
     _refuse_functorch(role)
+    _refuse_outer_hooks(role)
     if role.learned and role.learned_training != module.training:
         role.learned = False  # NOTE [ State under recomputation ]: a mode change learns again
     buffers = [(name, b, b._version) for name, b in module.named_buffers()]
@@ -1785,12 +1898,14 @@ def _invoke(
     if not spans or not torch.is_grad_enabled():
         return _run(module, role, args, kwargs, replay)
     _refuse_functorch(role)
+    _refuse_outer_hooks(role)
     if role.learned and role.learned_training != module.training:
         role.learned = False  # NOTE [ State under recomputation ]: a mode change learns again
     flat = leaves((args, kwargs))
     rng = _rng_state(flat, role.generators)
     guard = _StateGuard(module, role, flat)
     params = _param_refs(module, role)
+    buffer_slots = _buffer_refs(module, role)
     sums = _param_sums(params) if not role.learned else []
     py_before = _py_states() if not role.learned or role.py_rng else None  # 50 us: learned on the first call
     watch = GeneratorWatch(_known(module, flat), module.buffers()) if not role.learned else None
@@ -1843,6 +1958,7 @@ def _invoke(
     for (frame, index), (span, position) in zip(recorded, spans):
         frame.calls[index].state = state
         frame.calls[index].params = params
+        frame.calls[index].buffer_slots = buffer_slots
         frame.calls[index].py_rng = py_rng
         frame.calls[index].attrs = guard.attrs
         frame.calls[index].reads = reads
@@ -1984,6 +2100,7 @@ def install(
     names: Sequence[tuple[str, ...]],
     *,
     allow_stateful: bool = False,
+    allow_hooks: bool = False,
     reuse: dict[tuple[Op, ...], list[tuple[nn.Module, _Role]]] | None = None,
 ) -> list[nn.Module]:
     """Install the plan operations ``ops`` on ``model``'s modules (all or nothing).
@@ -1995,6 +2112,8 @@ def install(
         names: The member FQNs of each block (for messages).
         allow_stateful: Recompute modules whose forward updates buffers other than BatchNorm's
             (NOTE [ State under recomputation ]).
+        allow_hooks: Recompute modules whose forward runs under saved-tensor hooks of the caller's
+            (NOTE [ Saved-tensor hooks around the forward ]).
         reuse: Roles installed before for the same ``ops`` on the same model, by ``ops``: installed again
             as they are (what their first call learned included, so a later call does not learn again:
             the profile times one configuration in several iterations); filled for ``ops`` if absent.
@@ -2020,6 +2139,7 @@ def install(
                 tuple(spans), module.__dict__.get("forward"), name, allow_stateful, policy=policies.get(id(module))
             )
             role.check_params = not sharded
+            role.allow_hooks = allow_hooks
             role.root = weakref.ref(model)
             _set_role(module, role)
             touched.append(module)
@@ -2058,6 +2178,7 @@ class Attached:
     names: tuple[tuple[str, ...], ...]
     allow_stateful: bool
     touched: tuple[nn.Module, ...]
+    allow_hooks: bool = False
 
 
 def holder(model: nn.Module) -> nn.Module:
@@ -2074,11 +2195,14 @@ def attach(
     names: Sequence[tuple[str, ...]],
     *,
     allow_stateful: bool = False,
+    allow_hooks: bool = False,
 ) -> None:
     """:func:`install` ``ops`` on ``model`` in place of what was there, and remember it under ``tag``."""
     detach(model)
-    touched = install(model, ops, members, names, allow_stateful=allow_stateful)
-    model.__dict__[_APPLIED_ATTR] = Attached(tag, tuple(ops), tuple(map(tuple, names)), allow_stateful, tuple(touched))
+    touched = install(model, ops, members, names, allow_stateful=allow_stateful, allow_hooks=allow_hooks)
+    model.__dict__[_APPLIED_ATTR] = Attached(
+        tag, tuple(ops), tuple(map(tuple, names)), allow_stateful, tuple(touched), allow_hooks
+    )
     model.register_forward_hook(_check_members)
 
 
@@ -2139,7 +2263,15 @@ def suspended(model: nn.Module) -> Iterator[None]:
     finally:
         if entry is not None:
             members = [[host.get_submodule(f) for f in fqns] for fqns in entry.names]
-            attach(host, entry.tag, entry.ops, members, entry.names, allow_stateful=entry.allow_stateful)
+            attach(
+                host,
+                entry.tag,
+                entry.ops,
+                members,
+                entry.names,
+                allow_stateful=entry.allow_stateful,
+                allow_hooks=entry.allow_hooks,
+            )
 
 
 def nested_plans(model: nn.Module) -> list[tuple[str, nn.Module, Attached]]:
