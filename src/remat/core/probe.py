@@ -266,7 +266,7 @@ class Probe:
             if self.track:
                 self.inputs[slot].update(storages((args, kwargs), self.params, out=True))
                 if kind is Event.SUB:
-                    for ptr, st in _live_storages((args, kwargs), self.params):
+                    for ptr, st in _live_storages((args, kwargs), self.params, out=True):
                         self.input_ids[slot][ptr] = self._identity(st)
                 self._arg_versions[slot] = [
                     (t, t._version) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
@@ -373,7 +373,9 @@ class Probe:
             outs = {id(r()): v for r, v in self._prev_outs if r() is not None}
             wrapped = _wrapped_args(self.members[index][0], args)
             own = self._prev_out_args[index] = set()
-            for t in tree_leaves((args, kwargs)):
+            # Tensors in containers pytree does not open too (read as the block's inputs are): the recording holds
+            # them for the segment's life, as any argument it does not link.
+            for t in output_leaves((args, kwargs)):
                 if not isinstance(t, torch.Tensor) or (
                     id(t) in outs and outs[id(t)] == t._version and id(t) not in wrapped
                 ):
@@ -395,7 +397,7 @@ class Probe:
                     self._unlinked_storages[index][ptr] = t.untyped_storage().nbytes()
         self.linked[index] = ok
         self._seen_before_prev = dict(self._seen)
-        mine = _storage_refs((args, kwargs), self.params)
+        mine = _storage_refs((args, kwargs), self.params, out=True)
         self._prev_inputs = mine
         self._seen.update(mine)
 

@@ -96,6 +96,7 @@ import collections
 import contextlib
 import functools
 import hashlib
+import io
 import itertools
 import random
 import sys
@@ -496,7 +497,7 @@ def _snapshot(obj: Any, depth: int = _SNAPSHOT_DEPTH) -> _Snapshot | None:
         return None
     try:
         attrs = dict(vars(obj))
-    except TypeError:
+    except Exception:  # no __dict__ (TypeError), or a __getattr__ that raises for it (KeyError, RecursionError)
         return None
     snap = _Snapshot(attrs)
     for value in attrs.values():
@@ -1902,6 +1903,14 @@ def _invoke(
     if role.learned and role.learned_training != module.training:
         role.learned = False  # NOTE [ State under recomputation ]: a mode change learns again
     flat = leaves((args, kwargs))
+    lazy = [leaf for leaf in flat if isinstance(leaf, Iterator) and not isinstance(leaf, (torch.Tensor, io.IOBase))]
+    if lazy:
+        # The forward consumes it: a replay would get it drained (a raw StopIteration in the backward) or
+        # draw other items (as remat.profile refuses a block returning one).
+        raise RematError(
+            f"apply: module {role.name!r} takes a {type(lazy[0]).__name__} (an iterator), which its forward "
+            "consumes, so a recomputation cannot call it again as the forward did; pass a tuple or a list"
+        )
     rng = _rng_state(flat, role.generators)
     guard = _StateGuard(module, role, flat)
     params = _param_refs(module, role)

@@ -112,10 +112,19 @@ def _closed(leaf: Any) -> bool:
     return dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) and type(leaf) not in SUPPORTED_NODES
 
 
+def _has_dict(leaf: Any) -> bool:
+    """``hasattr(leaf, "__dict__")``, False where the lookup raises something else (a ``__getattr__`` of a
+    ``__slots__`` class that raises KeyError or recurses): a user's object is never a reason to fail."""
+    try:
+        return hasattr(leaf, "__dict__")
+    except Exception:
+        return False
+
+
 def _plain(leaf: Any) -> bool:
     """Whether ``leaf`` is an object of a plain class, with attributes of its own, that pytree takes as one leaf."""
     return (
-        hasattr(leaf, "__dict__")
+        _has_dict(leaf)
         and not isinstance(
             leaf, (torch.Tensor, nn.Module, type, types.FunctionType, types.MethodType, types.ModuleType)
         )
@@ -161,12 +170,19 @@ def _contents(leaf: Any) -> Any:
             except ValueError:  # an empty cell
                 continue
         return cells if cells else _MISSING
-    if not hasattr(leaf, "__dict__"):
+    if not _has_dict(leaf):
         names = []
         for cls in type(leaf).__mro__:
             slots = getattr(cls, "__slots__", ())
             names += [slots] if isinstance(slots, str) else [n for n in slots if isinstance(n, str)]
-        values = {n: getattr(leaf, n) for n in names if n != "__weakref__" and hasattr(leaf, n)}
+        values = {}
+        for n in names:
+            if n == "__weakref__":
+                continue
+            try:
+                values[n] = getattr(leaf, n)
+            except Exception:  # an empty slot (AttributeError), or a __getattr__ that raises something else
+                continue
         return values if values else _MISSING
     return _MISSING
 

@@ -506,6 +506,13 @@ def _passes_through(bp: BlockProfile) -> bool:
     return bp.own_output_bytes == 0 < bp.output_bytes
 
 
+def _gap_rise(b: BlockProfile) -> int:
+    """The peak of the code after block ``b`` above the level where the next block starts: where that code
+    never rises above the level at ``b``'s end (it only frees, or makes what the next block takes), ``b``'s
+    own end covers it, and nothing is charged (the memory it frees is no rise of the next block's)."""
+    return max(0, b.gap_peak_bytes - b.gap_bytes) if b.gap_peak_bytes > 0 else 0
+
+
 def chain_of(profile: Profile) -> Chain:
     """The solver's view of a profile (NOTE [ Chain cost model ])."""
     bps = profile.block_profiles
@@ -544,8 +551,7 @@ def chain_of(profile: Profile) -> Chain:
         # end, so less g[k-1] above the level at k's start) is charged as part of block k's forward peak:
         # on the safe side where k is replayed (the gap's code is not).
         fwd_peak_bytes=tuple(
-            max(b.fwd_peak_bytes, (bps[i - 1].gap_peak_bytes - bps[i - 1].gap_bytes) if i > 0 else 0)
-            for i, b in enumerate(bps)
+            max(b.fwd_peak_bytes, _gap_rise(bps[i - 1]) if i > 0 else 0) for i, b in enumerate(bps)
         )
         + (profile.head_peak_bytes,),
         # Measured against the level at the end of the block's forward, which still holds the input the
@@ -600,5 +606,5 @@ def chain_of(profile: Profile) -> Chain:
         grad_bytes=tuple(b.grad_bytes for b in bps) + (profile.head_grad_bytes,),
         late_inputs=tuple((li.nbytes, li.producer, li.freed_after, tuple(li.users)) for li in profile.late_inputs),
         held_input_bwd_bytes=tuple(b.held_input_bwd_bytes for b in bps) + (0,),
-        gap_rise_bytes=(0,) + tuple(max(0, b.gap_peak_bytes - b.gap_bytes) for b in bps[:-1]) + (0,),
+        gap_rise_bytes=(0,) + tuple(_gap_rise(b) for b in bps[:-1]) + (0,),
     )
