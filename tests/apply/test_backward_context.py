@@ -169,3 +169,130 @@ def test_lossless_saved_tensor_hooks_run_with_save_on_cpu_or_when_allowed(plan: 
     remat.apply(model, remat.plan(model, strategy=remat.none()))
     model.zero_grad(set_to_none=True)
     assert _equal(plain, _step_under(model, lambda: torch.autograd.graph.saved_tensors_hooks(_copy, _copy)))
+
+
+D = 16
+
+
+class LazyScale(nn.Module):
+    """A statistic in a buffer slot that holds None until the first forward fills it, then an EMA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.register_buffer("scale", None)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(h))
+        m = h.detach().abs().mean(0) + 1
+        self.scale = m if self.scale is None else 0.5 * self.scale + 0.25 * m
+        return h * self.scale
+
+
+class RegisteredScale(nn.Module):
+    """The same statistic registered as a buffer inside the first forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(h))
+        m = h.detach().abs().mean(0) + 1
+        if "scale" not in self._buffers:
+            self.register_buffer("scale", m)
+        else:
+            self.scale = 0.5 * self.scale + 0.25 * m
+        return h * self.scale
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.register_buffer("s", torch.full((D,), 2.0))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(h)) * self.s
+
+
+class Stack(nn.Module):
+    def __init__(self, kind: type[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([kind() for _ in range(3)])
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).sum()
+
+
+def _made_a_parameter(model: nn.Module) -> None:
+    block = model.blocks[1]  # type: ignore[index]
+    value = block._buffers.pop("s")
+    block.s = nn.Parameter(value * 3)
+
+
+@pytest.mark.parametrize(
+    ("kind", "between"),
+    [(LazyScale, None), (RegisteredScale, None), (Scaled, _made_a_parameter)],
+    ids=["buffer slot None at the call", "buffer registered in the forward", "buffer made a parameter"],
+)
+def test_a_replay_finds_the_buffer_slots_as_they_were_at_the_call(
+    kind: type[nn.Module], between: Callable[[nn.Module], None] | None
+) -> None:
+    def step(model: nn.Module) -> list[torch.Tensor]:
+        loss = model(torch.randn(8, D, generator=torch.Generator().manual_seed(1)))
+        if between is not None:
+            between(model)
+        loss.backward()
+        return [p.grad for n, p in model.named_parameters() if n != "blocks.1.s"] + list(model.buffers())
+
+    torch.manual_seed(0)
+    plain = Stack(kind)
+    applied = copy.deepcopy(plain)
+    remat.apply(applied, remat.full())
+    assert _equal(step(plain), step(applied))
+
+
+def test_a_forward_where_saved_tensor_hooks_are_disabled_is_a_remat_error() -> None:
+    model = copy.deepcopy(W.model)
+    remat.apply(model, PLANS["full"])
+    with (
+        pytest.raises(remat.RematError, match=r"saved-tensor hooks are disabled \(.*'no hooks here'\)"),
+        torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"),
+    ):
+        model(W.inputs)
+
+
+def test_parameters_on_the_meta_device_between_calls_are_no_edit() -> None:
+    import accelerate  # installed with peft (the dev extra)
+
+    def step(applied: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        model = Stack(Scaled)
+        accelerate.cpu_offload(model, execution_device=torch.device("cpu"))  # weights on meta between calls
+        if applied:
+            remat.apply(model, remat.full())
+        x = torch.randn(8, D, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+        loss = model(x)
+        loss.backward()
+        assert x.grad is not None
+        return loss.detach(), x.grad
+
+    plain, got = step(False), step(True)  # a raw NotImplementedError (aten::equal on meta) before
+    assert torch.equal(plain[0], got[0]) and torch.equal(plain[1], got[1])
+
+
+def test_a_compiled_applied_model_traced_under_lossy_hooks_is_a_remat_error() -> None:
+    torch._dynamo.reset()
+    model = copy.deepcopy(W.model)
+    remat.apply(model, remat.full())
+    compiled = torch.compile(model, backend="eager")
+    with (
+        pytest.raises(remat.RematError, match="saved-tensor hooks of the caller's"),
+        torch.autograd.graph.saved_tensors_hooks(_compress, _decompress),
+    ):
+        compiled(W.inputs)
+    torch._dynamo.reset()

@@ -282,6 +282,9 @@ FAST_MISTAKES = [
         ["plan", "--budget", "40%", "--profile", "{plan}"],
         "error: --profile '{plan}': this is a plan file (from `remat plan`), not a profile; pass a profile.json",
     ),
+    (["bench", "gpt", "--plots", "{plan}"], "error: --plots '{plan}': this is a file, not a directory"),
+    (["bench", "gpt", "--json", "{plan}/out.json"], "error: --json '{plan}/out.json': its folder does not exist"),
+    (["report", "gpt", "--budget", "40%", "--out", "{plan}"], "error: --out '{plan}': this is a file, not a directory"),
     (["bench", "resnet50"], "error: model: unknown built-in 'resnet50'; did you mean 'resnet'?"),
     (
         ["bench", "gpt", "--set", "depth=3"],
@@ -514,3 +517,22 @@ def test_summary_claims_fastest_only_beyond_the_spread() -> None:
     alone = rows[:3] + (_row("optimal @ 50%", 110.0, 2.0, 48 * mib, budget=50 * mib),)
     [line] = budget_verdicts(BenchResult(model="m", device="cpu", held_bytes=0, rounds=5, rows=alone))
     assert line.endswith("-> fastest of all that fit")
+
+
+def test_the_report_command_line_keeps_split() -> None:
+    from remat.cli.report import _command, check
+
+    args = build_parser().parse_args(["report", "gpt", "--budget", "40%", "--split", "--set", "n_layers=2"])
+    check(args)
+    assert _command(args).split()[-1] == "--split"  # re-running the printed line profiles the same blocks
+
+
+def test_the_reports_python_line_runs_as_pasted(tmp_path: Path) -> None:
+    import remat
+    from remat.report.html import REPORT_PLAN, _reuse
+
+    model = WORKLOADS["mlp"]().model
+    (tmp_path / REPORT_PLAN).write_text(remat.plan(model, strategy="full()").to_json())
+    _, line = _reuse("remat report mlp --budget 40%", tmp_path)
+    exec(line, {"model": model})  # a NameError (remat, Path) before
+    assert remat.applied(model) is not None

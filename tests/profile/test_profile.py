@@ -9,7 +9,7 @@ from torch import nn
 import remat
 from remat.core.ops import Keep, Recompute
 from remat.errors import BlockSelectionError, RematError
-from remat.models import Workload
+from remat.models import Workload, workload
 from remat.plan.chain import chain_of
 from remat.plan.planner import plan_from_ops
 from remat.plan.solver import simulate
@@ -431,3 +431,10 @@ def test_blocks_whose_forward_the_model_calls_directly_are_refused_with_that_rea
     model = _CallsForwardDirectly()
     with pytest.raises(BlockSelectionError, match=r"did not run.*called its forward directly \(layer\.forward\(x\)"):
         remat.profile(model, torch.randn(4, 8), lambda out: out.sum(), progress=False)
+
+
+def test_profiling_a_model_in_eval_mode_warns_that_its_plans_are_for_eval_steps() -> None:
+    w = workload("gpt", n_layers=2, d_model=32, n_heads=2, seq_len=16, batch=2, vocab_size=32)
+    w.model.eval()
+    with pytest.warns(UserWarning, match=r"is in eval mode, so the profile and its plans are for eval-mode steps"):
+        remat.profile(w.model, w.inputs, w.loss_fn, repeats=1, ops=False, progress=False)

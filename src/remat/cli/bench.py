@@ -81,6 +81,19 @@ def check(args: argparse.Namespace) -> None:
         from remat.report.plots import _require_matplotlib
 
         _require_matplotlib()  # fail before minutes of measuring, not after
+    # Where the results go, checked before minutes of measuring too.
+    for flag, d in (("--plots", args.plots), ("--out", args.out)):
+        if d is not None and d.exists() and not d.is_dir():
+            raise RematError(f"{flag} {str(d)!r}: this is a file, not a directory; give a directory to write into")
+    if args.json is not None and (args.json.is_dir() or not args.json.absolute().parent.is_dir()):
+        raise RematError(
+            f"--json {str(args.json)!r}: "
+            + (
+                "this is a directory; give a file name"
+                if args.json.is_dir()
+                else "its folder does not exist; create it first"
+            )
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,5 +144,9 @@ def _write_values_and_plots(args: argparse.Namespace, prof: Profile, result: Ben
         for path in written:
             console.print(f"wrote {path}")
     if args.plots is not None:
-        for path in write_bench_plots(result, prof, args.plots, frontier=front, plan=shown):
+        try:
+            written = write_bench_plots(result, prof, args.plots, frontier=front, plan=shown)
+        except OSError as e:
+            raise RematError(f"cannot write into {str(args.plots)!r}: {e.strerror}; check the path") from None
+        for path in written:
             console.print(f"wrote {path}")

@@ -75,6 +75,14 @@ def run(args: argparse.Namespace) -> int:
             f"{_verdict(check)}"
         )
         console.print(f"forward runs per block: {result.forward_counts}")
+        if plan.budget_bytes and result.peak_bytes > plan.budget_bytes * 1.05:
+            console.print(
+                f"[yellow]warning:[/] the measured peak {format_bytes(result.peak_bytes)} is "
+                f"{result.peak_bytes / plan.budget_bytes:.2f}x the plan's budget {format_bytes(plan.budget_bytes)}: "
+                "the plan was made on another batch or model (the --set sizes of its profile?), or for another loop; "
+                "profile and plan this workload again",
+                highlight=False,
+            )
     if plan is None:
         console.print(
             f"plain: peak {format_bytes(plain.peak_bytes)} above {format_bytes(plain.held_bytes)} held; step {format_ms(plain.step_ms)}"
@@ -91,7 +99,12 @@ def warn_other_loop(args: argparse.Namespace, plan: Plan) -> None:
     if plan.loop is None or plan.loop == ours:
         return
     flags = loop_flags(plan.loop)
-    fix = f"pass {shlex.join(flags)} to measure the plan's loop" if flags else "measure it in Python with that loop"
+    if flags is None:
+        fix = "measure it in Python with that loop"
+    elif flags:
+        fix = f"pass {shlex.join(flags)} to measure the plan's loop"
+    else:
+        fix = "leave out --grads and --optimizer to measure the plan's loop"
     console.print(
         f"[yellow]warning:[/] the plan was made for the {plan.loop.describe()}; this run measures the "
         f"{ours.describe()}, so its peak does not compare to the plan's prediction; {fix}",

@@ -73,6 +73,8 @@ def _command(args: argparse.Namespace) -> str:
     ]
     for item in args.sizes:
         words += ["--set", item]
+    if getattr(args, "split", False):
+        words.append("--split")
     return shlex.join(words + (loop_flags(loop_of(args)) or []))
 
 
@@ -91,6 +93,8 @@ def check(args: argparse.Namespace) -> None:
     from remat.report.plots import _require_matplotlib
 
     _require_matplotlib()  # fail before minutes of measuring, not after
+    if args.out.exists() and not args.out.is_dir():
+        raise RematError(f"--out {str(args.out)!r}: this is a file, not a directory; give a directory to write into")
 
 
 def run(args: argparse.Namespace) -> int:

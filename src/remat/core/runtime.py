@@ -890,7 +890,8 @@ class _Call:
     inner: tuple[tuple[_Span, int], ...]
     flags: tuple[Any, ...] = ()  # backend flags at the call (NOTE [ Backend flags under recomputation ])
     params: tuple[tuple[nn.Module, str, torch.Tensor, int, int], ...] = ()  # (owner, name, tensor, version, address)
-    buffer_slots: tuple[tuple[nn.Module, str, torch.Tensor], ...] = ()  # (owner, name, tensor) at the call
+    # (owner, its _buffers items) at the call (NOTE [ Parameters under recomputation ], _buffer_refs)
+    buffer_slots: tuple[tuple[nn.Module, tuple[tuple[str, torch.Tensor | None], ...]], ...] = ()
     attrs: tuple[tuple[nn.Module, str, Any], ...] = ()  # (module, name, value before the call) of _Role.attrs
     py_rng: tuple[Any, Any] | None = None  # Python's and numpy's global RNG states, if the call drew from them
     # (module, "training", flag) of the member and its sub-modules at the call: a replay runs in the mode
@@ -1398,32 +1399,43 @@ def _param_refs(module: nn.Module, role: _Role) -> tuple[tuple[nn.Module, str, t
     return tuple(out)
 
 
-def _buffer_refs(module: nn.Module, role: _Role) -> tuple[tuple[nn.Module, str, torch.Tensor], ...]:
-    """The tensors in the buffer slots of ``module`` at a call (references): a replay puts them back in the
-    slots where other code swapped them since (``torch.func.functional_call`` with buffers of its own)."""
-    if not role.check_params or _fsdp_managed(module, role):
-        return ()
-    return tuple((sub, name, b) for sub in module.modules() for name, b in sub._buffers.items() if b is not None)
+def _buffer_refs(
+    module: nn.Module, role: _Role
+) -> tuple[tuple[nn.Module, tuple[tuple[str, torch.Tensor | None], ...]], ...]:
+    """The buffer slots of ``module`` and its sub-modules at a call, as (owner, its ``_buffers`` items)
+    (references): a replay puts them back as they were (:func:`_swap_buffers`): tensors other code
+    swapped in since (``torch.func.functional_call`` with buffers of its own), a slot that held None
+    (a buffer the forward builds lazily, ``if self.buf is None: self.buf = ...``), a buffer registered
+    since (``register_buffer`` in the forward), a buffer made a parameter since. Under FSDP2 too: it
+    shards and swaps parameters between forward and backward, never buffers."""
+    return tuple((sub, tuple(sub._buffers.items())) for sub in module.modules())
 
 
 def _swap_buffers(
-    slots: tuple[tuple[nn.Module, str, torch.Tensor], ...],
-) -> list[tuple[nn.Module, str, torch.Tensor | None, bool]]:
-    swapped: list[tuple[nn.Module, str, torch.Tensor | None, bool]] = []
-    for owner, name, t in slots:
-        now = owner._buffers.get(name)
-        if now is not t:
-            swapped.append((owner, name, now, name in owner._buffers))
-            owner._buffers[name] = t
-    return swapped
+    slots: tuple[tuple[nn.Module, tuple[tuple[str, torch.Tensor | None], ...]], ...],
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Give each owner's ``_buffers`` its items at the call (hiding a parameter that took a buffer's name
+    since); returns the dicts' items before, for :func:`_put_back_buffers`."""
+    saved: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    for owner, items in slots:
+        bufs, params = owner._buffers, owner._parameters
+        shadowed = [name for name, _ in items if name in params]
+        if not shadowed and len(bufs) == len(items) and all(bufs.get(name, _MISSING) is t for name, t in items):
+            continue
+        saved.append((bufs, dict(bufs)))
+        if shadowed:
+            saved.append((params, dict(params)))
+            for name in shadowed:
+                del params[name]
+        bufs.clear()
+        bufs.update(items)
+    return saved
 
 
-def _put_back_buffers(swapped: Sequence[tuple[nn.Module, str, torch.Tensor | None, bool]]) -> None:
-    for owner, name, value, present in reversed(swapped):
-        if present:
-            owner._buffers[name] = value
-        else:
-            owner._buffers.pop(name, None)
+def _put_back_buffers(saved: Sequence[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+    for d, items in reversed(saved):
+        d.clear()
+        d.update(items)
 
 
 def _address(t: torch.Tensor) -> int:
@@ -1439,7 +1451,9 @@ def _param_sums(params: tuple[tuple[nn.Module, str, torch.Tensor, int, int], ...
     out: list[torch.Tensor | None] = []
     for _, _, t, _, _ in params:
         try:
-            out.append(t.detach().sum(dtype=torch.float64) if t.is_floating_point() else None)
+            # A meta tensor (accelerate's cpu_offload/disk_offload keep the weights elsewhere between calls and
+            # put them in the slot inside the call) holds no values to compare.
+            out.append(t.detach().sum(dtype=torch.float64) if t.is_floating_point() and not t.is_meta else None)
         except (RuntimeError, TypeError, NotImplementedError):  # a backend without float64, a subclass
             out.append(None)
     return out
@@ -1775,17 +1789,38 @@ def _raise_if_vmapped(name: str, e: BaseException) -> None:
 _LOSSLESS_HOOKS = ("torch.utils.checkpoint", "remat.")
 
 
-def _refuse_outer_hooks(role: _Role) -> None:
-    if role.allow_hooks:
-        return
+def _outer_hooks_refused() -> bool:
+    """Whether the innermost saved-tensor hooks now are a caller's other than the lossless ones."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    hooks = top(False) if top is not None else None
+    hooks = top(True) if top is not None else None
     if not hooks:
-        return
+        return False
     pack = hooks[0]
     where = getattr(pack, "__module__", None) or ""
-    if where.startswith(_LOSSLESS_HOOKS) or getattr(pack, "__qualname__", "").startswith("save_on_cpu."):
+    return not (where.startswith(_LOSSLESS_HOOKS) or getattr(pack, "__qualname__", "").startswith("save_on_cpu."))
+
+
+def _refused_under_compile(allow_hooks: bool) -> bool:
+    """:func:`_outer_hooks_refused` while dynamo traces: a module that ``_compiled`` would trace as torch's
+    checkpoint bypasses the hooks as the eager runtime does, so such a call takes the eager path, which
+    refuses it. Run once at trace time only: dynamo guards on inlineable (GraphModule) hooks alone, so a
+    graph traced without hooks and called later under a caller's Python hooks is not checked again."""
+    return not allow_hooks and _outer_hooks_refused()
+
+
+def _refuse_outer_hooks(role: _Role) -> None:
+    disabled = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+    if disabled is not None:  # torch.autograd.graph.disable_saved_tensors_hooks(message) around the forward
+        raise RematError(
+            f"apply: module {role.name!r} is recomputed, and its forward runs where saved-tensor hooks are disabled "
+            f"(torch.autograd.graph.disable_saved_tensors_hooks: {disabled!r}); recomputation needs them (as "
+            "torch.utils.checkpoint does): keep this block, or run the forward outside that context"
+        )
+    if role.allow_hooks or not _outer_hooks_refused():
         return
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    pack = top(True)[0]  # type: ignore[misc]
+    where = getattr(pack, "__module__", None) or ""
     raise RematError(
         f"apply: module {role.name!r} is recomputed, and its forward runs under saved-tensor hooks of the caller's "
         f"({getattr(pack, '__qualname__', type(pack).__name__)} from {where or '?'}): a recomputed block saves "
@@ -1989,7 +2024,7 @@ class _Dispatch:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             role: _Role = self.module.__dict__["_remat_role"]
-            if _compilable(role):
+            if _compilable(role) and not _REFUSED_UNDER_COMPILE[0](role.allow_hooks):
                 return _compiled(self.module, role, args, kwargs)
         return _EAGER[0](self.module, args, kwargs)
 
@@ -2031,9 +2066,13 @@ def _dispatch(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) 
 _EAGER: list[Callable[..., Any]] = [_dispatch]
 
 
+_REFUSED_UNDER_COMPILE: list[Callable[[bool], bool]] = [_refused_under_compile]
+
+
 def _disable_for_compile() -> None:
     if _EAGER[0] is _dispatch:
         _EAGER[0] = torch.compiler.disable(_dispatch)
+        _REFUSED_UNDER_COMPILE[0] = torch._dynamo.assume_constant_result(_refused_under_compile)
 
 
 def _count(module: nn.Module) -> None:

@@ -550,9 +550,7 @@ def chain_of(profile: Profile) -> Chain:
         # A transient of the code before block k (gap_peak_bytes of block k-1, above the level at k-1's
         # end, so less g[k-1] above the level at k's start) is charged as part of block k's forward peak:
         # on the safe side where k is replayed (the gap's code is not).
-        fwd_peak_bytes=tuple(
-            max(b.fwd_peak_bytes, _gap_rise(bps[i - 1]) if i > 0 else 0) for i, b in enumerate(bps)
-        )
+        fwd_peak_bytes=tuple(max(b.fwd_peak_bytes, _gap_rise(bps[i - 1]) if i > 0 else 0) for i, b in enumerate(bps))
         + (profile.head_peak_bytes,),
         # Measured against the level at the end of the block's forward, which still holds the input the
         # plain step frees right after it (freed_input_bytes): the simulator charges bp from the level

@@ -151,7 +151,8 @@ def _reuse(command: str, directory: Path) -> tuple[str, str]:
         ]
     return (
         shlex.join(["remat", "measure", *model, "--plan", path, *loop]),
-        f"from remat.plan import Plan; remat.apply(model, Plan.from_json(Path({path!r}).read_text()))",
+        f"import remat; from pathlib import Path; from remat.plan import Plan; "
+        f"remat.apply(model, Plan.from_json(Path({path!r}).read_text()))",
     )
 
 

@@ -374,7 +374,13 @@ def plot_heatmap(profile: Profile, plan: Plan, path: str | Path) -> Path:
     from matplotlib.patches import Patch
 
     saved = [bp.saved_bytes for bp in profile.block_profiles]
-    recompute_ms = [bp.fwd_ms for bp in profile.block_profiles]
+    # What checkpointing the block on its own adds to a step, as the planner charges it (NOTE [ Chain cost
+    # model ]): its measured no-save forward under a checkpoint, less the ops after its last save (early
+    # stop); the plain forward time only for profiles without that measurement.
+    recompute_ms = [
+        max(0.0, bp.ckpt_fwd_ms - bp.stop_ms) + profile.ckpt_call_ms if bp.ckpt_fwd_ms > 0 else bp.fwd_ms
+        for bp in profile.block_profiles
+    ]
     decisions = _decisions(plan)
     b_div, b_unit = bytes_unit(max(saved + [1]))
     t_div, t_unit = time_unit(max(recompute_ms + [0.0]))
