@@ -206,6 +206,10 @@ class Chain:
             a mutable argument (a KV cache), whose sub-modules that do not change it the profile measures.
         grad_bytes: Bytes of parameter gradients each block's backward allocates (entry ``n``: the
             head's), held from then to the end of the iteration (default 0: gradients held before it).
+        reached: Whether the step's backward reaches each block (default all ``True``;
+            ``BlockProfile.backward``). A block it does not reach frees what it saves when its graph dies,
+            wherever the model's code drops its output, and a checkpoint over it never replays: the
+            simulator charges a plan's memory as if such blocks were kept (see :func:`reached_ops`).
         late_inputs: Block inputs the plain step frees in the forward after the block that takes them
             last, one ``(bytes, producer, freed_after, users)`` per tensor (``remat.profile.types.LateInput``;
             not per block: any number of entries, default none). A segment over blocks that take one from
@@ -244,6 +248,7 @@ class Chain:
     sub_recomputable: tuple[bool, ...] = ()
     grad_bytes: tuple[int, ...] = ()
     joinable: tuple[bool, ...] = ()
+    reached: tuple[bool, ...] = ()
     late_inputs: tuple[tuple[int, int, int, tuple[int, ...]], ...] = ()
     held_input_bwd_bytes: tuple[int, ...] = ()
     # Per block, the rise of the code before it above the level at its start (included in fwd_peak_bytes;
@@ -284,6 +289,8 @@ class Chain:
                 object.__setattr__(self, name, (0,) * len(self.fwd_ms))
         if not self.recomputable:
             object.__setattr__(self, "recomputable", (True,) * len(self.fwd_ms))
+        if not self.reached:
+            object.__setattr__(self, "reached", (True,) * len(self.fwd_ms))
         if not self.startable:
             object.__setattr__(self, "startable", tuple(self.recomputable))
         if not self.sub_recomputable:
@@ -601,6 +608,7 @@ def chain_of(profile: Profile) -> Chain:
         )
         + (True,),
         joinable=joinable + (True,),
+        reached=tuple(b.backward for b in bps) + (True,),
         grad_bytes=tuple(b.grad_bytes for b in bps) + (profile.head_grad_bytes,),
         late_inputs=tuple((li.nbytes, li.producer, li.freed_after, tuple(li.users)) for li in profile.late_inputs),
         held_input_bwd_bytes=tuple(b.held_input_bwd_bytes for b in bps) + (0,),
