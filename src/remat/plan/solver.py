@@ -393,6 +393,17 @@ def reached_ops(chain: Chain, ops: tuple[Op, ...]) -> tuple[Op, ...]:
     return tuple(out)
 
 
+def _step(chain: Chain, ops: tuple[Op, ...], sub_costs: SubCosts | None, sub_held: SubHeld | None) -> _Simulator:
+    """One iteration of ``ops`` through the simulator: the forward, the head, the backward."""
+    sim = _Simulator(chain, sub_costs, sub_held)
+    for op in ops:
+        sim.forward(op, replay=False)
+    sim.head()
+    for op in reversed(ops):
+        sim.backward(op)
+    return sim
+
+
 def simulate(
     chain: Chain, ops: tuple[Op, ...], sub_costs: SubCosts | None = None, sub_held: SubHeld | None = None
 ) -> Simulation:
@@ -418,12 +429,7 @@ def simulate(
             not end with a ``Keep``, or ``sub_costs`` lacks a ``RecomputeSub`` of the plan.
     """
     validate_ops(ops, chain.n, source="simulate")
-    sim = _Simulator(chain, sub_costs, sub_held)
-    for op in ops:
-        sim.forward(op, replay=False)
-    sim.head()
-    for op in reversed(ops):
-        sim.backward(op)
+    sim = _step(chain, ops, sub_costs, sub_held)
     peak = max(sim.peak, chain.pre_peak_bytes, chain.base_bytes + chain.tail_peak_bytes)
     # NOTE [ Blocks the backward does not reach ]: a checkpoint over such a block (a classic strategy
     # checkpoints every block; the solvers keep them, Chain.recomputable) holds only its output, but the
@@ -433,13 +439,7 @@ def simulate(
     # a peak they cannot lower (full() on Encodec measured 1.05x, sqrt() 1.57x its prediction).
     kept_ops = reached_ops(chain, ops)
     if kept_ops != ops:
-        again = _Simulator(chain, sub_costs, sub_held)
-        for op in kept_ops:
-            again.forward(op, replay=False)
-        again.head()
-        for op in reversed(kept_ops):
-            again.backward(op)
-        peak = max(peak, again.peak)
+        peak = max(peak, _step(chain, kept_ops, sub_costs, sub_held).peak)
     once_ms = float(sum(chain.fwd_ms)) + float(sum(chain.bwd_ms))
     return Simulation(peak_bytes=int(peak), total_ms=once_ms + sim.extra_ms, extra_ms=sim.extra_ms)
 
