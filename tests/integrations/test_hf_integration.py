@@ -8,6 +8,7 @@ peak within the budget + 5%. The runnable examples of docs/huggingface.md run as
 
 from __future__ import annotations
 
+import copy
 import re
 import subprocess
 import sys
@@ -222,3 +223,29 @@ def test_enable_plans_for_the_optimizer_it_is_given() -> None:
     assert plan.loop.optimizer is not None and not any(isinstance(op, RecomputeOps) for op in plan.ops)
     peak = remat.measure(model, batch, _loss, steps=2, optimizer=torch.optim.AdamW).peak_bytes
     assert plan.budget_bytes is not None and peak <= plan.budget_bytes * PEAK_SLACK, (peak, plan.budget_bytes)
+
+
+def test_enable_passes_allow_saved_tensor_hooks_to_apply() -> None:
+    def offload(t: torch.Tensor) -> torch.Tensor:
+        return t.clone()  # gives back what it was given, as an offload to the host and back does
+
+    def step(model: nn.Module) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        with torch.autograd.graph.saved_tensors_hooks(offload, offload):
+            loss = _loss(model(**_batch()))
+        loss.backward()
+        return [p.grad for p in model.parameters() if p.grad is not None]
+
+    torch.manual_seed(0)
+    model = _model("llama", lora=False)
+    plain = step(copy.deepcopy(model))
+    for allow in (False, True):
+        planned = copy.deepcopy(model)
+        plan = hf.enable(planned, _batch(), budget="40%", repeats=1, ops=False, allow_saved_tensor_hooks=allow)
+        assert plan.checkpointed
+        if not allow:
+            with pytest.raises(RematError, match="allow_saved_tensor_hooks=True"):
+                step(planned)
+            continue
+        got = step(planned)
+        assert len(plain) == len(got) and all(torch.equal(a, b) for a, b in zip(plain, got, strict=True))

@@ -66,6 +66,7 @@ def enable(
     optimizer: Any = None,
     grads: str = "none",
     ops: bool = True,
+    allow_saved_tensor_hooks: bool = False,
 ) -> Plan:
     """Profile ``model`` on a sample batch, plan for ``budget`` and apply the plan, in place.
 
@@ -97,6 +98,9 @@ def enable(
             each step, ``optimizer.zero_grad()``'s default, or zeroed in place).
         ops: Offer op-level policies (``False``: plans without them, for a loop that backpropagates twice
             through a block: ``retain_graph``, a gradient penalty).
+        allow_saved_tensor_hooks: Passed to ``remat.apply``: recompute blocks whose forward runs under
+            saved-tensor hooks of your own that give back what they are given (activation offloading;
+            NOTE [ Saved-tensor hooks around the forward ] in ``remat.core.runtime``).
 
     Returns:
         The plan now applied.
@@ -151,7 +155,7 @@ def enable(
         for m, training in modes:
             m.training = training
     result = plan(prof, budget, solver=solver)
-    apply(model, result)
+    apply(model, result, allow_saved_tensor_hooks=allow_saved_tensor_hooks)
     log.info("hf.enable: %s", result.summary())
     return result
 
@@ -208,11 +212,13 @@ def _callback_class() -> type:
             loss_fn: Callable[[Any], torch.Tensor] | None = None,
             solver: str = "optimal",
             repeats: int = 3,
+            allow_saved_tensor_hooks: bool = False,
         ) -> None:
             self.budget = budget
             self.loss_fn = loss_fn
             self.solver = solver
             self.repeats = repeats
+            self.allow_saved_tensor_hooks = allow_saved_tensor_hooks
             self.plan: Plan | None = None
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -225,7 +231,13 @@ def _callback_class() -> type:
             with torch.random.fork_rng(devices=[]):
                 batch = next(iter(loader))
             self.plan = enable(
-                model, batch, self.budget, loss_fn=self.loss_fn, solver=self.solver, repeats=self.repeats
+                model,
+                batch,
+                self.budget,
+                loss_fn=self.loss_fn,
+                solver=self.solver,
+                repeats=self.repeats,
+                allow_saved_tensor_hooks=self.allow_saved_tensor_hooks,
             )
 
     RematCallback.__module__ = __name__
