@@ -296,3 +296,36 @@ def test_a_compiled_applied_model_traced_under_lossy_hooks_is_a_remat_error() ->
     ):
         compiled(W.inputs)
     torch._dynamo.reset()
+
+
+class Jagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_nested:
+            x = torch.cat(x.unbind(), 0)
+        h = torch.tanh(self.fc(x))
+        return torch.nested.as_nested_tensor([h[:4], h[4:]], layout=torch.jagged)
+
+
+class JaggedStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Jagged() for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return torch.cat(x.unbind(), 0)
+
+
+def test_a_segment_over_jagged_nested_tensors_says_so() -> None:
+    torch.manual_seed(0)
+    model = JaggedStack()
+    blocks = remat.blocks(model)
+    remat.apply(model, remat.plan(blocks, strategy=remat.segments(2)))  # R[0:2](K0 K1): two blocks in one segment
+    loss = model(torch.randn(8, D)).pow(2).mean()
+    with pytest.raises(remat.RematError, match="a jagged nested tensor, whose ragged size is a new symbol"):
+        loss.backward()

@@ -1237,11 +1237,16 @@ def _replay_pack(frame_ref: weakref.ref[_Frame], gid: int) -> Callable[[torch.Te
                 "keep these blocks (a plan that does not recompute them)"
             )
         if _meta(t) != frame.meta[idx]:
+            why = (
+                "a jagged nested tensor, whose ragged size is a new symbol each time one is made, so a replay "
+                "cannot match it; recompute such blocks one at a time, or keep them"
+                if t.is_nested or any(not isinstance(d, int) for d in t.shape)
+                else "the module's forward depends on something that changed since it ran (Python state, an "
+                "argument edited in place, a cache); keep it (a plan that does not recompute it)"
+            )
             raise RematError(
                 f"apply: recomputing module {frame._who(idx)!r} (segment starting at {frame.span.name!r}) saved a "
-                f"tensor of shape/dtype/device {_meta(t)} where its forward saved {frame.meta[idx]}; the module's "
-                "forward depends on something that changed since it ran (Python state, an argument edited in "
-                "place, a cache); keep it (a plan that does not recompute it)"
+                f"tensor of shape/dtype/device {_meta(t)} where its forward saved {frame.meta[idx]}: {why}"
             )
         holder = frame.holders[idx]()
         if holder is not None:
