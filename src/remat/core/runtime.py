@@ -116,7 +116,7 @@ from remat.core.ops import Keep, Op, Recompute, RecomputeOps, RecomputeSub
 from remat.core.probe import made_since, restored_buffer, sequence_mark
 from remat.core.selective import run_selective, saves_recorded, stop_passing
 from remat.core.tree import flatten, leaves, output_leaves, unflatten
-from remat.core.versions import Saved, edited_since, note_saved, replaying
+from remat.core.versions import Saved, edited_since, note_saved, replaying, where_data
 from remat.core.wrapped import unwrap
 from remat.errors import RematError, higher_order_refused
 
@@ -815,7 +815,12 @@ def _rng_state(leaves: Sequence[Any], generators: Sequence[torch.Generator] = ()
                 index = leaf.device.index if leaf.device.index is not None else torch.cuda.current_device()
                 if index not in cuda:
                     cuda[index] = torch.cuda.get_rng_state(index)
-    return _RngState(cpu, cuda, {id(g): (g, g.get_state()) for g in generators})
+    # A generator handed to the call (``block(x, generator=g)``, often a fresh one per step) is the call's
+    # too: the learned ones (``_Role.generators``) are the learning call's objects only, so a later call's
+    # replay drew from that step's generator where the forward had left it (gradients off from the second
+    # step on, silently, helper-71).
+    given = [leaf for leaf in leaves if isinstance(leaf, torch.Generator)]
+    return _RngState(cpu, cuda, {id(g): (g, g.get_state()) for g in (*generators, *given)})
 
 
 def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
@@ -853,6 +858,21 @@ _FLAGS: tuple[tuple[Callable[[], Any], Callable[[Any], None]], ...] = tuple(
         ("float32_matmul_precision", "float32_matmul_precision"),
     )
     if hasattr(torch._C, f"_get_{get}") and hasattr(torch._C, f"_set_{put}")
+) + (
+    # Global modes a forward's code may branch on or that change what ops make (not per backend): a
+    # ``use_deterministic_algorithms(True)`` (its kernels; code reading ``are_deterministic_algorithms_enabled``),
+    # ``set_default_dtype`` (``torch.tensor(0.1)``, ``torch.arange`` in a block) or ``detect_anomaly`` around
+    # the forward only: replayed under the backward's, a segment's later members computed with other
+    # values (gradients 0.02-1.5 off, silently, helper-71).
+    (
+        lambda: (torch._C._get_deterministic_algorithms(), torch._C._get_deterministic_algorithms_warn_only()),
+        lambda value: torch._C._set_deterministic_algorithms(value[0], warn_only=value[1]),
+    ),
+    (torch.get_default_dtype, torch.set_default_dtype),
+    (
+        lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+        lambda value: torch.set_anomaly_enabled(value[0], value[1]),
+    ),
 )
 
 
@@ -908,6 +928,8 @@ class _Call:
     # The tensors of _Role.reads with their versions at the end of the call (NOTE [ Saved tensors edited
     # before the backward ] in remat.core.versions).
     reads: tuple[Saved, ...] = ()
+    # The caller's dispatch modes active at the call (NOTE [ Dispatch modes around the forward ]).
+    dispatch_modes: tuple[tuple[Any, ...], tuple[Any, ...]] | tuple[()] = ()
 
 
 class _Frame:
@@ -921,8 +943,9 @@ class _Frame:
         self.owner: list[int] = []
         # Each saved tensor, weakly, with its version when saved (NOTE [ Saved tensors edited before the backward ]).
         self.versions: list[Saved] = []
-        # id -> (call, leaf, the tensor, its version, made by that call: NOTE [ In-place edits of a member's output ])
-        self.outs: dict[int, tuple[int, int, weakref.ref[torch.Tensor], int, bool]] = {}
+        # id -> (call, leaf, the tensor, its version, made by that call: NOTE [ In-place edits of a member's output ],
+        # where its data was: ``h.data = other`` between two members moves that without a version bump)
+        self.outs: dict[int, tuple[int, int, weakref.ref[torch.Tensor], int, bool, int]] = {}
         self.recomputed: dict[int, weakref.WeakKeyDictionary[_Handle, torch.Tensor]] = {}
         self.counter: dict[int, int] = {}
         self.done: set[int] = set()
@@ -950,7 +973,7 @@ class _Frame:
         for leaf in flat:
             if isinstance(leaf, torch.Tensor):
                 hit = self.outs.get(id(leaf))
-                if hit is not None and hit[2]() is leaf and leaf._version == hit[3]:
+                if hit is not None and hit[2]() is leaf and leaf._version == hit[3] and where_data(leaf) == hit[5]:
                     slots.append((_LINK, hit[0], hit[1]))
                 elif id(leaf) in seen:
                     slots.append((_EXT, seen[id(leaf)], leaf.requires_grad))
@@ -983,6 +1006,7 @@ class _Frame:
                 modes=modes,
                 hooks=_hooks_at(module),
                 grads=grads,
+                dispatch_modes=_user_dispatch_modes(),
             )
         )
         return len(self.calls) - 1
@@ -990,7 +1014,14 @@ class _Frame:
     def record_output(self, index: int, out: Any, mark: int) -> None:
         for j, leaf in enumerate(output_leaves(out)):
             if isinstance(leaf, torch.Tensor):
-                self.outs[id(leaf)] = (index, j, weakref.ref(leaf), leaf._version, made_since(leaf, mark))
+                self.outs[id(leaf)] = (
+                    index,
+                    j,
+                    weakref.ref(leaf),
+                    leaf._version,
+                    made_since(leaf, mark),
+                    where_data(leaf),
+                )
 
     @contextlib.contextmanager
     def packing(self, index: int) -> Iterator[None]:
@@ -1366,6 +1397,7 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             stack.enter_context(_attrs_as(call.modes + call.attrs))
             stack.enter_context(_hooks_as(module, call.hooks))
             stack.enter_context(_requires_grad_as(call.grads))
+            stack.enter_context(_modes_as(role.name, call.dispatch_modes))
             return _invoke(module, role, call.inner, args, kwargs, replay=True)
     finally:
         with torch.no_grad():
@@ -1693,6 +1725,7 @@ def _guarded_recompute(
     hooks = _hooks_at(module)
     params = _param_refs(module, role)  # NOTE [ Parameters under recomputation ]: the forward's tensors
     buffer_slots = _buffer_refs(module, role)
+    dispatch_modes = _user_dispatch_modes()  # NOTE [ Dispatch modes around the forward ]
     runs = 0
 
     seen: list[tuple[Any, Any]] = []  # (object, snapshot) per non-tensor argument leaf
@@ -1738,6 +1771,7 @@ def _guarded_recompute(
                 _flags_as(flags),
                 _attrs_as(plain + (_attrs_changed(attrs) if learning else attrs)),
                 _hooks_as(module, hooks),
+                _modes_as(role.name, dispatch_modes),
                 replaying(),
             ):
                 return forward(*args, **kwargs)
@@ -1834,6 +1868,66 @@ def _refuse_outer_hooks(role: _Role) -> None:
         "from the plain model's; if the hooks give back exactly what they are given (offloading), pass "
         "allow_saved_tensor_hooks=True to remat.apply; else keep this block, or leave the hooks out of the forward"
     )
+
+
+# NOTE [ Dispatch modes around the forward ]
+# A caller's ``TorchDispatchMode`` or ``TorchFunctionMode`` (fake quantisation, an FP8 or low-precision
+# emulation, a mode that rewrites ops) changes what a member computes and saves. A replay ran under the
+# modes of the backward: without a mode entered around the forward only, the replay computed other values
+# (full and segment plans: gradients 0.01-0.06 off, silently, helper-71; torch's checkpoint does the same).
+# Each recorded call keeps the caller's modes active at it (``_Call.dispatch_modes``; remat's, torch's
+# checkpoint's and the observers' excluded: torch's FLOP counter, debug mode and memory tools, which change
+# no value). Function modes never reach autograd's backward (around the whole step they are gone there
+# too), so a replay enters the call's function modes again, as torch's checkpoint enters the forward's
+# device mode again. Dispatch modes do reach it: around the whole step the replay runs under them as the
+# plain backward does; one active at the call and not at the replay (or the other way round) is a
+# RematError naming them.
+_OWN_MODES = (
+    "remat.",
+    "torch.utils.checkpoint",
+    "torch.utils.flop_counter",
+    "torch.utils._debug_mode",
+    "torch.distributed._tools",
+)
+
+
+def _users(stack: Iterable[Any]) -> tuple[Any, ...]:
+    return tuple(m for m in stack if not (type(m).__module__ or "").startswith(_OWN_MODES))
+
+
+def _user_dispatch_modes() -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """The caller's function modes and dispatch modes active now, outermost first (NOTE [ Dispatch modes
+    around the forward ])."""
+    return (
+        _users(torch.overrides._get_current_function_mode_stack()),
+        _users(torch.utils._python_dispatch._get_current_dispatch_mode_stack()),
+    )
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+@contextlib.contextmanager
+def _modes_as(name: str, recorded: tuple[tuple[Any, ...], tuple[Any, ...]] | tuple[()]) -> Iterator[None]:
+    """A replay under the modes of the call (NOTE [ Dispatch modes around the forward ])."""
+    functions, dispatch = recorded or ((), ())
+    now_functions, now_dispatch = _user_dispatch_modes()
+    if not _same(now_dispatch, dispatch) or (now_functions and not _same(now_functions, functions)):
+        then = [type(m).__name__ for m in (*functions, *dispatch)] or "none"
+        now = [type(m).__name__ for m in (*now_functions, *now_dispatch)] or "none"
+        raise RematError(
+            f"apply: module {name!r} ran its forward under the modes {then} and is recomputed in the backward "
+            f"under {now} (a TorchDispatchMode entered around the forward only, or around the backward only), "
+            "so its recomputation would compute other values than its forward (NOTE [ Dispatch modes around "
+            "the forward ] in remat.core.runtime); enter the mode around both the forward and the backward, or "
+            "keep this block (a plan that does not recompute it)"
+        )
+    with contextlib.ExitStack() as stack:
+        if not now_functions:
+            for mode in functions:
+                stack.enter_context(mode)
+        yield
 
 
 def _refuse_functorch(role: _Role) -> None:

@@ -44,7 +44,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-__all__ = ["Saved", "edited_since", "note_saved", "replaying"]
+__all__ = ["Saved", "edited_since", "note_saved", "replaying", "where_data"]
 
 # (the tensor, weakly; its version; where its data was: ``t.data = other`` moves that without a version bump)
 Saved = tuple["weakref.ref[torch.Tensor]", int, int]
@@ -83,6 +83,13 @@ def _where(t: torch.Tensor) -> int:
         return int(t.data_ptr())
     except (RuntimeError, NotImplementedError):  # no storage (a functional tensor, a tensor subclass): versions only
         return 0
+
+
+def where_data(t: torch.Tensor) -> int:
+    """Where ``t``'s data is (0 where it has no storage): ``t.data = other`` moves it without a version bump;
+    a recording links an argument to an earlier member's output only where it is still there (the model's
+    code between them set ``h.data``: the replay handed the next member the replayed, unedited output)."""
+    return _where(t)
 
 
 def note_saved(t: torch.Tensor) -> Saved:
