@@ -66,7 +66,9 @@ Memory is simulated (``remat.plan.simulate``) with a level ``L`` starting at ``b
             head:               peak L + fp[n] (its backward included);  L += G[n]
   backward (reverse order)
             Keep(k):            peak L + bp[k];  L -= S'[k];  L += G[k]
-            Recompute(a, b, I): forward of I from L, then backward of I (reverse), then L -= H(a, b);
+            Recompute(a, b, I): forward of I from L (the replay runs the blocks, not the code between them:
+                                their own forward peaks, ``replay_fwd_peak_bytes``, without the rise of a
+                                gap's transient that ``fp`` charges), then backward of I (reverse), then L -= H(a, b);
                                 the last block of I (always a Keep) holds S'[b-1] - out_free[b-1]
                                 (the recomputed output is not kept: the replay stops once every
                                 saved tensor is back, and nothing holds the output)
@@ -254,6 +256,10 @@ class Chain:
     # Per block, the rise of the code before it above the level at its start (included in fwd_peak_bytes;
     # a sub-module checkpoint does not lower it).
     gap_rise_bytes: tuple[int, ...] = ()
+    # Per block, its forward peak where the code before it does not run: in a replay, which runs the
+    # recorded blocks only (NOTE [ Spans ] in remat.core.runtime), fwd_peak_bytes without the gap's rise
+    # (default fwd_peak_bytes).
+    replay_fwd_peak_bytes: tuple[int, ...] = ()
     # Derived in __post_init__: n, and prefix sums over the blocks for segment_bytes.
     _n: int = field(init=False, repr=False, compare=False)
     _inside: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -299,6 +305,8 @@ class Chain:
             object.__setattr__(self, "out_free_bytes", (0,) * len(self.fwd_ms))
         if not self.ckpt_fwd_ms:
             object.__setattr__(self, "ckpt_fwd_ms", tuple(self.fwd_ms))
+        if not self.replay_fwd_peak_bytes:
+            object.__setattr__(self, "replay_fwd_peak_bytes", tuple(self.fwd_peak_bytes))
         sizes = {
             f.name: len(v)
             for f in fields(self)
@@ -555,10 +563,14 @@ def chain_of(profile: Profile) -> Chain:
         x_bytes=(bps[0].input_bytes, *handed[:-1], profile.head_input_bytes),
         keep_bytes=tuple(b.keep_bytes for b in bps) + (0,),
         # A transient of the code before block k (gap_peak_bytes of block k-1, above the level at k-1's
-        # end, so less g[k-1] above the level at k's start) is charged as part of block k's forward peak:
-        # on the safe side where k is replayed (the gap's code is not).
+        # end, so less g[k-1] above the level at k's start) is charged as part of block k's forward peak
+        # where the gap's code runs: the plain forward, and a segment's no-save forward over its blocks.
         fwd_peak_bytes=tuple(max(b.fwd_peak_bytes, _gap_rise(bps[i - 1]) if i > 0 else 0) for i, b in enumerate(bps))
         + (profile.head_peak_bytes,),
+        # A replay runs the recorded blocks, not the code between them: its blocks peak as their own
+        # forwards (charging the gap's rise there too predicted a plan recomputing the block after a wide
+        # temporary at 1.41x its measured peak, and refused budgets remat's own full() plan met).
+        replay_fwd_peak_bytes=tuple(b.fwd_peak_bytes for b in bps) + (profile.head_peak_bytes,),
         # Measured against the level at the end of the block's forward, which still holds the input the
         # plain step frees right after it (freed_input_bytes): the simulator charges bp from the level
         # after that gap, so the freed input is added back (else an autocast block's backward peak is

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from torch import nn
 
 from remat.blocks import Block, fingerprint
 from remat.blocks import blocks as find_blocks
-from remat.core.ops import Keep, Op, RecomputeSub, ops_repr
+from remat.core.ops import Keep, Op, Recompute, RecomputeSub, ops_repr
 from remat.errors import BudgetInfeasibleError, RematError
 from remat.plan.chain import Chain, chain_of
 from remat.plan.policies import op_costs
@@ -338,6 +339,38 @@ def _solved_below(profile: Profile, chain: Chain, chosen: Solver, headroom: int,
     return best
 
 
+def _late_once(profile: Profile, chain: Chain, chosen: Solver, headroom: int, budget: int) -> tuple[Plan | None, Plan]:
+    """A plan of ``chosen`` that fits ``budget`` by the simulation where its tables, which charge each late input
+    (``Chain.late_inputs``: an attention mask, rotary tables, T5's bias, taken by every layer) to every
+    checkpoint holding it, find none; ``None`` if there is none.
+
+    The simulation charges such a tensor once, by the first checkpoint that holds it (NOTE [ Chain cost model ]):
+    a plan checkpointing every layer holds one mask, while the tables charge one per checkpoint (remat's own
+    ``full()`` plan, predicted and measured within a budget, was refused). So the solver is also asked on the
+    chain with every late input held throughout instead (its bytes off the headroom, charged to no
+    checkpoint), for its fastest plan there and its lowest-peak plan, and the single-block checkpoints of every
+    block it may recompute; each is judged by the simulation of the real chain, and the fastest that fits wins.
+    Returns it (``None``: none fits) and the one predicted lowest.
+    """
+    extra = sum(int(nbytes) for nbytes, *_ in chain.late_inputs if nbytes > 0)
+    once = dataclasses.replace(chain, late_inputs=())
+    candidates: list[tuple[Op, ...]] = []
+    solved = chosen.solve(profile, once, headroom - extra) if headroom - extra >= 0 else None
+    if solved is not None:
+        candidates.append(solved)
+    candidates.append(chosen.min_peak_plan(profile, once))
+    candidates.append(
+        tuple(
+            Recompute(k, k + 1, (Keep(k),)) if chain.recomputable[k] and chain.startable[k] else Keep(k)
+            for k in range(chain.n)
+        )
+    )
+    plans = [plan_from_ops(profile, ops, chosen.name, budget) for ops in dict.fromkeys(candidates)]
+    fits = [p for p in plans if (p.predicted_peak_bytes or 0) <= budget]
+    best = min(fits, key=lambda p: p.predicted_extra_ms or 0.0) if fits else None
+    return best, min(plans, key=lambda p: p.predicted_peak_bytes or 0)
+
+
 def _plan_here(profile: Profile, budget: int | str | Budget | None, *, solver: str, strategy: Strategy | None) -> Plan:
     """``plan`` on a profile, on this process alone."""
     if strategy is not None:
@@ -367,6 +400,18 @@ def _plan_here(profile: Profile, budget: int | str | Budget | None, *, solver: s
             if smallest <= budget_bytes:
                 ops = lowest.ops
                 log.info("plan: the %s solver's tables are above its lowest-peak plan's prediction", chosen.name)
+    cheapest_ops: tuple[Op, ...] | None = None
+    if ops is None and smallest > budget_bytes and chain.late_inputs:
+        # The tables charge a late input to every checkpoint holding it, the simulation once (_late_once).
+        once, lowest_once = _late_once(profile, chain, chosen, headroom, budget_bytes)
+        if once is not None:
+            log.info(
+                "plan: the %s solver's tables charge late inputs per checkpoint; a plan held once fits", chosen.name
+            )
+            return once
+        if lowest_once.predicted_peak_bytes is not None and lowest_once.predicted_peak_bytes < smallest:
+            # The error states the lowest peak a plan is predicted at, and that plan.
+            smallest, cheapest_ops = lowest_once.predicted_peak_bytes, lowest_once.ops
     if ops is None and smallest <= budget_bytes:
         # Memory is discretised on the safe side (NOTE [ Rotor dynamic program ]), so a budget within
         # a few units of the smallest peak can be missed: solve finer, else take the lowest-peak plan.
@@ -377,7 +422,7 @@ def _plan_here(profile: Profile, budget: int | str | Budget | None, *, solver: s
             "plan: budget %s is within rounding of the smallest peak; used a finer solve", format_bytes(budget_bytes)
         )
     if ops is None:
-        cheapest = ops_repr(chosen.min_peak_plan(profile, chain))
+        cheapest = ops_repr(cheapest_ops or chosen.min_peak_plan(profile, chain))
         # Few coarse blocks (a VGG's features, pool and classifier) leave nothing to recompute that lowers
         # the peak: finer blocks do.
         finer = (

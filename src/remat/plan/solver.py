@@ -165,7 +165,9 @@ class Simulation:
     extra_ms: float
 
 
-def _kept_sizes(chain: Chain, k: int, saved: int, transient: int = 0, fwd_drop: int = 0) -> tuple[int, int, int]:
+def _kept_sizes(
+    chain: Chain, k: int, saved: int, transient: int = 0, fwd_drop: int = 0, replay: bool = False
+) -> tuple[int, int, int]:
     """(S, fp, bp) of block ``k`` run normally, with ``saved`` bytes of sub-modules checkpointed.
 
     Checkpointing a sub-module lowers what the block holds between its forward and its backward by
@@ -175,9 +177,13 @@ def _kept_sizes(chain: Chain, k: int, saved: int, transient: int = 0, fwd_drop: 
     output of the op where it stops early, the RNG state it forks). Where the profile saw the block's
     peaks fall after a sub-module's forward end or before its recomputation, ``fwd_drop`` lowers ``fp``
     and a negative ``transient`` lowers ``bp`` (NOTE [ Sub-module recomputation peak ] in
-    ``remat.profile.types``).
+    ``remat.profile.types``). In a replay (``replay``) the code before the block does not run: its forward
+    peaks as its own (``Chain.replay_fwd_peak_bytes``), without the rise of that code.
     """
-    keep, fwd_peak, bwd_peak = chain.kept_level_bytes(k), int(chain.fwd_peak_bytes[k]), int(chain.bwd_peak_bytes[k])
+    keep, bwd_peak = chain.kept_level_bytes(k), int(chain.bwd_peak_bytes[k])
+    if replay:
+        return keep - saved, int(chain.replay_fwd_peak_bytes[k]) - fwd_drop, bwd_peak + saved + transient
+    fwd_peak = int(chain.fwd_peak_bytes[k])
     return keep - saved, max(fwd_peak - fwd_drop, int(chain.gap_rise_bytes[k])), bwd_peak + saved + transient
 
 
@@ -188,10 +194,10 @@ class _TopOnly:
     fqns: tuple[str, ...]
 
 
-# A way to keep a block: (variant or None for plain, S, fp, bp, extra ms).
-_Variant = tuple[VariantId | _TopOnly | None, int, int, int, float]
-# The same in the program's units (see _Table.kept).
-_Way = tuple[VariantId | _TopOnly | None, int, int, int, int, float]
+# A way to keep a block: (variant or None for plain, S, fp, bp, extra ms, fp in a replay).
+_Variant = tuple[VariantId | _TopOnly | None, int, int, int, float, int]
+# The same in the program's units (see _Table.kept), fp in a replay last.
+_Way = tuple[VariantId | _TopOnly | None, int, int, int, int, float, int]
 
 
 def _top_only(variant: VariantId | _TopOnly | None) -> bool:
@@ -209,16 +215,16 @@ def _variants(chain: Chain, sub_costs: SubCosts | None, top_only: bool = False) 
     (``top_only``: sub-module variants too only at the top level of a plan)."""
     out: list[list[_Variant]] = []
     for k in range(chain.n + 1):
-        out.append([(None, *_kept_sizes(chain, k, 0), 0.0)])
+        out.append([(None, *_kept_sizes(chain, k, 0), 0.0, _kept_sizes(chain, k, 0, replay=True)[1])])
     for (k, variant), cost in sorted((sub_costs or {}).items(), key=lambda kv: (kv[0][0], repr(kv[0][1]))):
         ok = chain.recomputable if isinstance(variant, RecomputeOps) else chain.sub_recomputable
         if 0 <= k < chain.n and ok[k]:
             key: VariantId | _TopOnly = variant if isinstance(variant, RecomputeOps) else tuple(variant)
             if top_only and isinstance(key, tuple):
                 key = _TopOnly(key)
-            out[k].append(
-                (key, *_kept_sizes(chain, k, int(cost[0]), _transient(cost), _fwd_drop(cost)), float(cost[1]))
-            )
+            sizes = _kept_sizes(chain, k, int(cost[0]), _transient(cost), _fwd_drop(cost))
+            replay_fp = _kept_sizes(chain, k, int(cost[0]), _transient(cost), _fwd_drop(cost), replay=True)[1]
+            out[k].append((key, *sizes, float(cost[1]), replay_fp))
     return out
 
 
@@ -267,12 +273,13 @@ class _Simulator:
         size = dict(held)
         return sum(size[i] for i in fresh) - sum(nbytes for i, nbytes in inside if i in self.late_open), fresh
 
-    def _block_sizes(self, op: Keep | RecomputeSub | RecomputeOps) -> tuple[int, int, int]:
-        """(S, fp, bp) of a normally run block; RecomputeSub / RecomputeOps lower them by the saved bytes."""
+    def _block_sizes(self, op: Keep | RecomputeSub | RecomputeOps, replay: bool = False) -> tuple[int, int, int]:
+        """(S, fp, bp) of a normally run block; RecomputeSub / RecomputeOps lower them by the saved bytes
+        (``replay``: run in a replay, fp without the rise of the code before it)."""
         if not isinstance(op, (RecomputeSub, RecomputeOps)):
-            return _kept_sizes(self.chain, op.index, 0)
+            return _kept_sizes(self.chain, op.index, 0, replay=replay)
         cost = self._sub_cost(op)
-        return _kept_sizes(self.chain, op.index, int(cost[0]), _transient(cost), _fwd_drop(cost))
+        return _kept_sizes(self.chain, op.index, int(cost[0]), _transient(cost), _fwd_drop(cost), replay=replay)
 
     def _sub_cost(self, op: RecomputeSub | RecomputeOps) -> VariantCost:
         key: tuple[int, VariantId] = (op.index, op if isinstance(op, RecomputeOps) else tuple(op.fqns))
@@ -290,6 +297,8 @@ class _Simulator:
         """Run ``op``'s forward; ``replay`` marks a recomputation (its time is extra); ``discard``
         bytes of a last recomputed block's output are not held (``out_free_bytes``)."""
         c = self.chain
+        # In a replay the code between blocks does not run (NOTE [ Spans ]): the blocks peak as their own.
+        fwd_peaks = c.replay_fwd_peak_bytes if replay else c.fwd_peak_bytes
         if isinstance(op, Recompute):
             self.extra_ms += float(c.ckpt_call_ms)
             for q in range(op.start, op.stop):
@@ -305,7 +314,7 @@ class _Simulator:
                     if q > op.start
                     else 0
                 )
-                self._rise(c.ckpt_state_bytes + c.fwd_peak_bytes[q] + (c.x_bytes[q] if q > op.start else 0) + held)
+                self._rise(c.ckpt_state_bytes + fwd_peaks[q] + (c.x_bytes[q] if q > op.start else 0) + held)
                 # The no-save run costs ckpt_fwd_ms; the plain forward counted once is then not run.
                 self.extra_ms += float(c.ckpt_fwd_ms[q]) - (0.0 if replay else float(c.fwd_ms[q]))
             late = self._late(op)
@@ -313,7 +322,7 @@ class _Simulator:
             self.late_open.update(late[1])
             self.level += c.segment_bytes(op.start, op.stop) - c.late_held_bytes(op.start, op.stop) + late[0]
             return
-        keep, fwd_peak, _ = self._block_sizes(op)
+        keep, fwd_peak, _ = self._block_sizes(op, replay)
         self._rise(fwd_peak)
         self.level += keep - discard - self._open_held(op)
         if replay:
@@ -491,6 +500,7 @@ class _Table:
     slack: list[int]  # m units at block s stand for at least m * u + slack[s] bytes
     grads_after: list[int]  # grads_after[j] = G[j] + ... + G[n] (0 for j = n + 1)
     nosave_bytes: npt.NDArray[np.int64]  # [s, k]: nosave(s, k) + ckpt_state_bytes (0 where blocked)
+    nosave_replay: npt.NDArray[np.int64]  # the same in a replay, where the code between blocks does not run
     hold_units: list[list[int]]  # [s][k]: checkpoint s..k-1: its inner plan runs above Chain.replay_hold_bytes
     pending: list[int]  # pending[t]: gradients pending when t's backward starts; s..t (t < n) is a replay's
     # inner plan, whose forward runs above them
@@ -507,16 +517,18 @@ class _Table:
     def keep_ok(self, s: int, t: int, way: _Way) -> int:
         """Units of ``m`` needed to keep ``s`` (this way) before blocks ``s+1..t``: its forward runs above the
         gradients of the blocks after ``t`` (NOTE [ Gradients in the program ])."""
-        return max(self.units_for(way[2] + self.grads_after[t + 1] + self.pending[t], s), way[3])
+        fwd = way[2] if t == self.n else way[6]  # s..t with t < n runs in a replay (Chain.replay_fwd_peak_bytes)
+        return max(self.units_for(fwd + self.grads_after[t + 1] + self.pending[t], s), way[3])
 
     def nosave_ok(self, s: int, t: int, k: int) -> int:
         """Units of ``m`` needed for the no-save forward of ``s..k-1`` in ``(s, t)``."""
-        return self.units_for(int(self.nosave_bytes[s, k]) + self.grads_after[t + 1] + self.pending[t], s)
+        nosave = self.nosave_bytes if t == self.n else self.nosave_replay
+        return self.units_for(int(nosave[s, k]) + self.grads_after[t + 1] + self.pending[t], s)
 
     def keep_choice(self, s: int, t: int, m: int, value: float) -> tuple[VariantId | _TopOnly | None, int] | None:
         """The first way of keeping ``s`` that reproduces ``value`` at ``(s, t, m)``, and the next ``m``."""
         for way in self.kept[s]:
-            fqns, units, _fwd, _bwd_ok, last_ok, fb = way
+            fqns, units, _fwd, _bwd_ok, last_ok, fb, _replay_fwd = way
             if not _allowed(fqns, s, t, self.n):
                 continue
             if s == t:
@@ -581,14 +593,18 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
     kept: list[list[_Way]] = []
     for s in range(n + 1):
         ways: list[_Way] = []
-        for fqns, keep, fwd_peak, bwd_peak, extra in variants[s]:
+        for fqns, keep, fwd_peak, bwd_peak, extra, replay_fwd in variants[s]:
             units = _ceil_div(keep + slack[s + 1] - slack[s], u) if s < n else _ceil_div(keep, u)
             # Kept before s+1..t, its backward runs above their gradients: t drops out (grads_after[s+1]).
             bwd_ok = _ceil_div(keep + bwd_peak + after[s + 1] - slack[s], u)
             freed = int(chain.out_free_bytes[s]) if s < n else 0  # the last block of a recomputed range
-            # As the last block of s..t (t = s): its forward in a replay runs above pending[s].
-            last_ok = _ceil_div(max(fwd_peak + pending[s], keep - freed + bwd_peak) + after[s + 1] - slack[s], u)
-            ways.append((fqns, units, int(fwd_peak), bwd_ok, last_ok, float(f[s]) + float(b[s]) + extra))
+            # As the last block of s..t (t = s < n: in a replay): its forward runs above pending[s], without the
+            # rise of the code before it (Chain.replay_fwd_peak_bytes; the head, s = t = n, is no replay).
+            last_fwd = replay_fwd if s < n else fwd_peak
+            last_ok = _ceil_div(max(last_fwd + pending[s], keep - freed + bwd_peak) + after[s + 1] - slack[s], u)
+            ways.append(
+                (fqns, units, int(fwd_peak), bwd_ok, last_ok, float(f[s]) + float(b[s]) + extra, int(replay_fwd))
+            )
         kept.append(ways)
     # Negative sizes give headroom back; widen the table by as much so that is not lost to clamping.
     gain = sum(max(0, -w[1]) for ways in kept for w in ways) + sum(max(0, -v) for v in rest_units + inner_units)
@@ -597,6 +613,7 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
     opt = np.full((n + 1, n + 1, size), _INF)
     shifted = np.full((n + 1, n + 1, size), _INF)
     nosave_bytes = np.zeros((n + 1, n + 1), dtype=np.int64)
+    nosave_replay = np.zeros((n + 1, n + 1), dtype=np.int64)
     table = _Table(
         n,
         size,
@@ -610,6 +627,7 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
         slack,
         after,
         nosave_bytes,
+        nosave_replay,
         hold_units,
         pending,
     )
@@ -620,7 +638,7 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
         for s in range(t, -1, -1):
             row = opt[s, t]
             if s == t:
-                for variant, _units, _fwd, _bwd_ok, last_ok, fb in kept[s]:
+                for variant, _units, _fwd, _bwd_ok, last_ok, fb, _replay_fwd in kept[s]:
                     if not _allowed(variant, s, t, n):
                         continue
                     lo = min(max(0, last_ok), size)
@@ -636,10 +654,12 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
                 hi = t + 1 if nested else s + 2
                 buf = scratch[: hi - s - 1]
                 np.add(shifted[t, s + 1 : hi], shifted[s, s + 1 : hi], out=buf)
-                if after[t + 1] or pending[t]:
-                    # W[s, k] is cut where the no-save forward does not fit with no gradients held; here
-                    # it runs above those of the blocks after t (NOTE [ Gradients in the program ]).
-                    need = -((slack[s] - after[t + 1] - pending[t] - nosave_bytes[s, s + 1 : hi]) // u)
+                if after[t + 1] or pending[t] or t == n:
+                    # W[s, k] is cut where the no-save forward in a replay does not fit with no gradients
+                    # held; here it runs above those of the blocks after t (NOTE [ Gradients in the program ]),
+                    # and at the top level (t = n) with the code between blocks (Chain.replay_fwd_peak_bytes).
+                    nosave_st = nosave_bytes if t == n else nosave_replay
+                    need = -((slack[s] - after[t + 1] - pending[t] - nosave_st[s, s + 1 : hi]) // u)
                     lim = int(min(size, max(0, int(need.max()))))
                     if lim:
                         np.copyto(buf[:, :lim], _INF, where=columns[None, :lim] < need[:, None])
@@ -653,6 +673,7 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
             # s..t fits, used by (s, t') with t' > t as "checkpoint s..t, recompute it under plan(s, t)".
             fsum = 0.0
             later = -_INF  # max of fp[q] + x[q] over q in s+1..t: blocks that hold their input
+            later_replay = -_INF  # the same in a replay (Chain.replay_fwd_peak_bytes)
             blocked = False  # a block in s..t may not be recomputed (stateful), or s..t crosses a barrier
             for s in range(t, -1, -1):
                 blocked = blocked or not chain.recomputable[s] or (s < t and not chain.joinable[s])
@@ -662,11 +683,15 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
                 fsum = float(chain.ckpt_fwd_ms[s]) + fsum
                 if s < t:
                     later = max(later, int(chain.fwd_peak_bytes[s + 1]) + int(chain.x_bytes[s + 1]))
+                    later_replay = max(
+                        later_replay, int(chain.replay_fwd_peak_bytes[s + 1]) + int(chain.x_bytes[s + 1])
+                    )
                 if not chain.startable[s]:  # it may be recomputed only with the block before it
                     shifted[s, t + 1] = _INF
                     continue
-                nosave = int(max(int(chain.fwd_peak_bytes[s]), later)) + int(chain.ckpt_state_bytes)
-                nosave_bytes[s, t + 1] = nosave
+                nosave_bytes[s, t + 1] = int(max(int(chain.fwd_peak_bytes[s]), later)) + int(chain.ckpt_state_bytes)
+                nosave = int(max(int(chain.replay_fwd_peak_bytes[s]), later_replay)) + int(chain.ckpt_state_bytes)
+                nosave_replay[s, t + 1] = nosave
                 # The checkpoint holds s's freed input through the inner plan (Chain.freed_input_bytes).
                 w = _shift(opt[s, t], inner_units[t + 1] + hold_units[s][t + 1], shifted[s, t + 1])
                 # The replay of s..t stops after t's last saved tensor (Chain.stop_ms).
@@ -813,31 +838,36 @@ def _hold_table(chain: Chain) -> npt.NDArray[np.int64]:
     return out
 
 
-def _peak_ways(
-    chain: Chain, variants: list[list[_Variant]]
-) -> list[list[tuple[VariantId | _TopOnly | None, int, int, int, int]]]:
-    """Per block, per way of keeping it: (sub-modules, S, fp, S + bp, peak as the last block of a range)."""
+_PeakWay = tuple[VariantId | _TopOnly | None, int, int, int, int, int]
+
+
+def _peak_ways(chain: Chain, variants: list[list[_Variant]]) -> list[list[_PeakWay]]:
+    """Per block, per way of keeping it: (sub-modules, S, fp, S + bp, peak as the last block of a range, fp in
+    a replay). The last block of a range ``s..s`` with ``s < n`` runs in a replay: its own forward peak."""
     out = []
     for s, ways in enumerate(variants):
         freed = int(chain.out_free_bytes[s]) if s < chain.n else 0
-        out.append([(fqns, keep, fp, keep + bp, max(fp, keep - freed + bp)) for fqns, keep, fp, bp, _extra in ways])
+        out.append(
+            [
+                (fqns, keep, fp, keep + bp, max(rfp if s < chain.n else fp, keep - freed + bp), rfp)
+                for fqns, keep, fp, bp, _extra, rfp in ways
+            ]
+        )
     return out
 
 
-def _kept_peak(
-    way: tuple[VariantId | _TopOnly | None, int, int, int, int], grads: int, rest: int, pending: int = 0
-) -> int:
+def _kept_peak(way: _PeakWay, grads: int, rest: int, pending: int = 0, replay: bool = False) -> int:
     """Peak of keeping a block (this way) before a range whose peak is ``rest`` and whose backward
     allocates ``grads`` bytes of gradients, above the block's entry level; its forward runs above
-    ``pending`` bytes (a replay's, see ``_peak_table``)."""
-    _fqns, keep, fwd_peak, keep_bwd_peak, _last = way
-    return max(fwd_peak + pending, keep_bwd_peak + grads, keep + rest)
+    ``pending`` bytes (a replay's, see ``_peak_table``; ``replay``: without the code before it)."""
+    _fqns, keep, fwd_peak, keep_bwd_peak, _last, replay_fwd = way
+    return max((replay_fwd if replay else fwd_peak) + pending, keep_bwd_peak + grads, keep + rest)
 
 
-def _last_peak(way: tuple[VariantId | _TopOnly | None, int, int, int, int], pending: int = 0) -> int:
+def _last_peak(way: _PeakWay, pending: int = 0) -> int:
     """Peak of a block (this way) as the last of a range, its forward above ``pending`` bytes."""
-    _fqns, keep, fwd_peak, keep_bwd_peak, last = way
-    return max(last, fwd_peak + pending)
+    _fqns, keep, fwd_peak, keep_bwd_peak, last, replay_fwd = way
+    return max(last, replay_fwd + pending)
 
 
 def _peak_table(
@@ -848,13 +878,16 @@ def _peak_table(
     x = np.asarray(_held(chain), dtype=np.int64)  # what a checkpoint holds
     ways = _peak_ways(chain, variants)
     nosave = np.zeros((n + 1, n + 1), dtype=np.int64)  # nosave[s, k] for s < k
+    nosave_replay = np.zeros((n + 1, n + 1), dtype=np.int64)  # the same in a replay (Chain.replay_fwd_peak_bytes)
     for s in range(n):
-        running = int(chain.fwd_peak_bytes[s])
+        running, running_replay = int(chain.fwd_peak_bytes[s]), int(chain.replay_fwd_peak_bytes[s])
         for k in range(s + 1, n + 1):
             blocked = not chain.startable[s] or not all(chain.recomputable[s:k]) or not all(chain.joinable[s : k - 1])
             nosave[s, k] = _BIG if blocked else running + int(chain.ckpt_state_bytes)
+            nosave_replay[s, k] = _BIG if blocked else running_replay + int(chain.ckpt_state_bytes)
             if k < n:
                 running = max(running, int(chain.fwd_peak_bytes[k]) + int(chain.x_bytes[k]))
+                running_replay = max(running_replay, int(chain.replay_fwd_peak_bytes[k]) + int(chain.x_bytes[k]))
     # NOTE [ Gradients in the program ]: the backward of s..k-1 runs above the gradients of k..t.
     after = np.asarray(_grads_after(chain), dtype=np.int64)
     pending = np.asarray([chain.replay_above_bytes(t) for t in range(n)] + [0], dtype=np.int64)
@@ -864,17 +897,21 @@ def _peak_table(
         # s..t with t < n runs as (part of) a replay's inner plan: its forwards above pending[t].
         pend = int(pending[t]) if t < n else 0
         peak[t, t] = min(_last_peak(way, pend) for way in ways[t] if _allowed(way[0], t, t, n))
+        # And without the code between blocks, which a replay does not run (Chain.replay_fwd_peak_bytes).
+        replay, nos = t < n, nosave if t == n else nosave_replay
         for s in range(t - 1, -1, -1):
             grads = int(after[s + 1] - after[t + 1])
             best = min(
-                _kept_peak(way, grads, int(peak[s + 1, t]), pend) for way in ways[s] if _allowed(way[0], s, t, n)
+                _kept_peak(way, grads, int(peak[s + 1, t]), pend, replay)
+                for way in ways[s]
+                if _allowed(way[0], s, t, n)
             )
             hi = t + 1 if nested else s + 2
             ks = slice(s + 1, hi)
             inner = after[ks] - after[t + 1] + peak[s, s : hi - 1] + hold[s, ks]
-            cand = np.maximum(nosave[s, ks] + pend, x[ks] + np.maximum(peak[ks, t], inner))
+            cand = np.maximum(nos[s, ks] + pend, x[ks] + np.maximum(peak[ks, t], inner))
             peak[s, t] = min(best, int(cand.min()))
-    return peak, nosave
+    return peak, np.stack((nosave, nosave_replay))
 
 
 def min_peak_plan(
@@ -903,12 +940,13 @@ def min_peak_plan(
     def build(s: int, t: int) -> tuple[Op, ...]:
         ops: list[Op] = []
         pend = chain.replay_above_bytes(t) if t < n else 0
+        nos = nosave[0] if t == n else nosave[1]
         while s < t:
             grads = after[s + 1] - after[t + 1]
             kept = [
                 way[0]
                 for way in ways[s]
-                if _allowed(way[0], s, t, n) and _kept_peak(way, grads, int(peak[s + 1, t]), pend) == peak[s, t]
+                if _allowed(way[0], s, t, n) and _kept_peak(way, grads, int(peak[s + 1, t]), pend, t < n) == peak[s, t]
             ]
             if kept:
                 ops.append(_kept_op(s, kept[0]))
@@ -916,7 +954,7 @@ def min_peak_plan(
                 continue
             for k in range(s + 1, t + 1 if nested else s + 2):
                 inner = after[k] - after[t + 1] + int(peak[s, k - 1]) + int(hold[s, k])
-                if max(int(nosave[s, k]) + pend, int(x[k]) + max(int(peak[k, t]), inner)) == peak[s, t]:
+                if max(int(nos[s, k]) + pend, int(x[k]) + max(int(peak[k, t]), inner)) == peak[s, t]:
                     ops.append(Recompute(s, k, build(s, k - 1)))
                     s = k
                     break
