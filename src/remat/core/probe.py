@@ -204,6 +204,10 @@ class Probe:
         self.saved: list[dict[int, int]] = [{} for _ in range(n + m)]
         self.inputs: list[dict[int, int]] = [{} for _ in range(n + m)]
         self.outputs: list[dict[int, int]] = [{} for _ in range(n + m)]
+        # Of each block's outputs, those edited in place after they were made (``_version > 0``: an
+        # ``F.silu(x, inplace=True)`` closing the block): their storage exists before the edit, which may
+        # save a tensor (silu_ saves a copy of its input), so a replay that stops there has made them.
+        self.edited_outputs: list[dict[int, int]] = [{} for _ in range(n + m)]
         # Of each sub-module's inputs: storage data pointer -> a number that names the storage over the
         # whole step (the same tensor taken by several sub-modules: T5's position bias), see _identity.
         self.input_ids: list[dict[int, int]] = [{} for _ in range(n + m)]
@@ -305,6 +309,12 @@ class Probe:
         def hook(_mod: nn.Module, _args: Any, _kwargs: Any, out: Any) -> None:
             if self.track:
                 self.outputs[slot].update(storages(out, self.params, out=True))
+                self.edited_outputs[slot].update(
+                    storages(
+                        [t for t in output_leaves(out) if isinstance(t, torch.Tensor) and t._version > 0],
+                        self.params,
+                    )
+                )
                 edited = [t for t, v in self._arg_versions.pop(slot, []) if t._version != v]
                 if edited:
                     self.edits_input[slot] = True

@@ -1178,7 +1178,11 @@ def _assemble(
                 fwd_flops=fl((Event.FORWARD, i), (Event.FORWARD_END, i)),
                 bwd_flops=fl((Event.BACKWARD, i), (Event.BACKWARD_END, i)),
                 subs=tuple(subs),
-                output_saved_bytes=sum(v for k, v in tracked.outputs[i].items() if k in tracked.saved[i]),
+                # Saved by the block, or edited in place after it was made: a replay ending with the block
+                # makes it before it stops (NOTE [ Chain cost model ]: out_free_bytes).
+                output_saved_bytes=sum(
+                    v for k, v in tracked.outputs[i].items() if k in tracked.saved[i] or k in tracked.edited_outputs[i]
+                ),
                 own_output_bytes=sum(v for k, v in tracked.outputs[i].items() if k not in tracked.inputs[i]),
                 linked=tracked.linked[i],
                 stateful=tracked.stateful[i],

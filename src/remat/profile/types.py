@@ -99,7 +99,9 @@ class BlockProfile:
             once the last layer's attention has run backward), bytes (NOTE [ Inputs held to the sub-module's
             backward end ] in ``remat.profile.profiler``).
         output_saved_bytes: Bytes of its outputs that the block itself saves for backward (e.g. a
-            final ReLU's result); the rest is not held when the block ends a recomputed region.
+            final ReLU's result), or edits in place after making them (a final ``SiLU(inplace=True)``,
+            which saves a copy of its input: the output exists before the replay can stop); the rest is
+            not held when the block ends a recomputed region.
         ckpt_fwd_ms: Measured cost of its no-save forward under a checkpoint, every overhead of
             checkpointing it included, the replay run to its end (so checkpointing it on its own costs
             this less ``stop_ms`` on top of a plain step), ms.
