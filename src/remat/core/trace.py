@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, record_function
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from remat.errors import RematError
 
@@ -87,9 +87,24 @@ def device_of(model: nn.Module, inputs: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def is_tensordict(obj: Any) -> bool:
+    """Whether ``obj`` is a ``tensordict.TensorDictBase`` (checked without importing tensordict): a mapping
+    that is one argument of its model (``TensorDictModule(td)``), never its keyword arguments."""
+    return any(c.__name__ == "TensorDictBase" and c.__module__.startswith("tensordict") for c in type(obj).__mro__)
+
+
 def call_model(model: nn.Module, inputs: Any) -> Any:
     """Call ``model`` on ``inputs``: a tensor (``model(x)``), a tuple/list (``model(*x)``) or a dict, or any
-    mapping such as HF's ``BatchEncoding`` (``model(**x)``)."""
+    mapping such as HF's ``BatchEncoding`` (``model(**x)``); a TensorDict is one argument (``model(td)``).
+
+    Each call gets its own copy of the containers (pytree's: tuples, lists, dicts, TensorDicts), holding
+    the same tensors: remat runs the one batch many times, and a model that writes into the containers it
+    is given (a ``TensorDictModule`` sets its ``out_keys`` in its input) would otherwise read the previous
+    iteration's outputs, graph and all, where the user's loop gives every iteration a fresh batch."""
+    flat, spec = tree_flatten(inputs)
+    inputs = tree_unflatten(flat, spec)
+    if is_tensordict(inputs):
+        return model(inputs)
     if isinstance(inputs, Mapping):
         return model(**inputs)
     if isinstance(inputs, (tuple, list)):

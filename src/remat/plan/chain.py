@@ -63,7 +63,8 @@ measured up to 1.315x their prediction and budget).
 Memory is simulated (``remat.plan.simulate``) with a level ``L`` starting at ``base_bytes``:
   forward   Keep(k):            peak L + fp[k];  L += S'[k]
             Recompute(a, b):    peak L + c + fp[q] + (x[q] if q > a) for q in a..b-1;  L += H(a, b)
-            head:               peak L + fp[n] (its backward included);  L += G[n]
+            head:               peak L + fp[n] (its backward included; after a Recompute(a, n), also
+                                ``Chain.head_freed_bytes(a)``: frees fp[n] nets that do not happen);  L += G[n]
   backward (reverse order)
             Keep(k):            peak L + bp[k];  L -= S'[k];  L += G[k]
             Recompute(a, b, I): forward of I from L (the replay runs the blocks, not the code between them:
@@ -340,6 +341,26 @@ class Chain:
     def n(self) -> int:
         """Number of blocks, the head excluded."""
         return self._n
+
+    def head_freed_bytes(self, start: int) -> int:
+        """How much higher the head runs after a checkpoint over blocks ``start..n-1`` than the plain step's
+        head, bytes. ``fwd_peak_bytes[n]`` (``Profile.head_peak_bytes``) is measured above the level at the
+        last block's end, so it nets what the head frees of tensors alive there: the last block's input that
+        it does not save (``freed_input_bytes[n - 1]``: a Sequential rebinding ``input``) and the late inputs
+        the head frees (``late_inputs`` with ``freed_after == n``). Under the checkpoint those frees never
+        happen in the head: made inside the segment, they were dropped with it (a late input made by one of
+        ``start..n-2``), or the checkpoint holds them (its input) and frees them with its backward. Without
+        this, a plan ending in such a segment ran over its prediction and budget by that much (an e3nn
+        ``o3.Linear`` as the last block, which saves a copy of its input, not the input: 1.09x)."""
+        if not self.n:
+            return 0
+        fi = int(self.freed_input_bytes[self.n - 1]) if self.freed_input_bytes else 0
+        late = sum(
+            int(nbytes)
+            for nbytes, producer, freed_after, _ in self.late_inputs
+            if freed_after >= self.n and start <= producer < self.n - 1 and nbytes > 0
+        )
+        return fi + late
 
     def kept_level_bytes(self, k: int) -> int:
         """How much the level rises from block ``k``'s start to the next block's start when ``k`` is kept."""

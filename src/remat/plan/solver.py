@@ -381,12 +381,17 @@ class _Simulator:
         if isinstance(op, (RecomputeSub, RecomputeOps)):
             self.extra_ms += float(self._sub_cost(op)[1])
 
-    def head(self) -> None:
+    def head(self, last: Op | None = None) -> None:
+        """The head, after ``last`` (the plan's last operation): after a ``Recompute`` it runs
+        ``Chain.head_freed_bytes`` higher (its measured rise nets frees that do not happen then)."""
         c, n = self.chain, self.chain.n
+        extra = c.head_freed_bytes(last.start) if isinstance(last, Recompute) else 0
+        self.level += extra
         self._rise(c.fwd_peak_bytes[n])
         self.level += c.keep_bytes[n]
         self._rise(c.bwd_peak_bytes[n])
         self.level -= c.keep_bytes[n]
+        self.level -= extra
         self.level += int(c.grad_bytes[n])
 
 
@@ -407,7 +412,7 @@ def _step(chain: Chain, ops: tuple[Op, ...], sub_costs: SubCosts | None, sub_hel
     sim = _Simulator(chain, sub_costs, sub_held)
     for op in ops:
         sim.forward(op, replay=False)
-    sim.head()
+    sim.head(ops[-1] if ops else None)
     for op in reversed(ops):
         sim.backward(op)
     return sim
@@ -504,6 +509,19 @@ class _Table:
     hold_units: list[list[int]]  # [s][k]: checkpoint s..k-1: its inner plan runs above Chain.replay_hold_bytes
     pending: list[int]  # pending[t]: gradients pending when t's backward starts; s..t (t < n) is a replay's
     # inner plan, whose forward runs above them
+    head_units: list[int]  # [s]: checkpoint s..n-1, then the head: m -> m - head_units[s] (Chain.head_freed_bytes)
+
+    def rest_units_after(self, s: int, k: int) -> int:
+        """Units the rest ``k..t`` runs below ``m`` after a checkpoint ``s..k-1``: ``rest_units[k]``, and for the
+        head alone (``k = n``) ``head_units[s]``."""
+        return self.head_units[s] if k == self.n else self.rest_units[k]
+
+    def rest_value(self, s: int, t: int, k: int, m: int) -> float:
+        """``W[t, k]`` at ``m`` after a checkpoint ``s..k-1``: ``opt(k, t, m - rest_units_after(s, k))``."""
+        if k != self.n:
+            return float(self.shifted[t, k, m])
+        j = self.shift_index(m, self.head_units[s])
+        return _INF if j < 0 else float(self.opt[k, t, j])
 
     def shift_index(self, m: int, units: int) -> int:
         """Index of ``opt(·, ·, m - units)`` in the table (clamped at the top), or -1 if below 0."""
@@ -577,6 +595,8 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
     # alive anyway (Chain.segment_bytes; multi-block segments only where nothing else is held).
     held = _held(chain)
     rest_units = [_ceil_div(held[k] + slack[k], u) for k in range(n + 1)]
+    # The head after a checkpoint s..n-1 runs Chain.head_freed_bytes(s) higher (the rest k = n of (s, n)).
+    head_units = [_ceil_div(held[n] + slack[n] + chain.head_freed_bytes(s), u) for s in range(n + 1)]
     inner_units = [_ceil_div(held[k], u) for k in range(n + 1)]
     hold_units = [
         [_ceil_div(chain.replay_hold_bytes(s, k), u) if k > s else 0 for k in range(n + 2)] for s in range(n + 1)
@@ -630,6 +650,7 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
         nosave_replay,
         hold_units,
         pending,
+        head_units,
     )
     scratch = np.empty((n + 1, size))
     best, cand, least = np.empty(size), np.empty(size), np.empty(size)  # reused rows (see _shift)
@@ -654,6 +675,9 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
                 hi = t + 1 if nested else s + 2
                 buf = scratch[: hi - s - 1]
                 np.add(shifted[t, s + 1 : hi], shifted[s, s + 1 : hi], out=buf)
+                if hi == n + 1 and head_units[s] != rest_units[n]:
+                    # The head alone after a checkpoint s..n-1 runs higher (Chain.head_freed_bytes(s)).
+                    np.add(_shift(opt[n, n], head_units[s], cand), shifted[s, n], out=buf[-1])
                 if after[t + 1] or pending[t] or t == n:
                     # W[s, k] is cut where the no-save forward in a replay does not fit with no gradients
                     # held; here it runs above those of the blocks after t (NOTE [ Gradients in the program ]),
@@ -712,10 +736,10 @@ def _rebuild(table: _Table, s: int, t: int, m: int) -> tuple[Op, ...]:
             s += 1
             continue
         for k in table.candidates(s, t):
-            if m >= table.nosave_ok(s, t, k) and table.shifted[t, k, m] + table.shifted[s, k, m] == value:
+            if m >= table.nosave_ok(s, t, k) and table.rest_value(s, t, k, m) + table.shifted[s, k, m] == value:
                 inner_m = table.shift_index(m, table.inner_units[k] + table.hold_units[s][k])
                 ops.append(Recompute(s, k, _rebuild(table, s, k - 1, inner_m)))
-                m, s = table.shift_index(m, table.rest_units[k]), k
+                m, s = table.shift_index(m, table.rest_units_after(s, k)), k
                 break
         else:  # pragma: no cover - the fill and this loop evaluate the same expressions
             raise RematError(f"solve: internal error, no candidate reproduces opt({s}, {t}, {m}) = {value}")
@@ -909,7 +933,10 @@ def _peak_table(
             hi = t + 1 if nested else s + 2
             ks = slice(s + 1, hi)
             inner = after[ks] - after[t + 1] + peak[s, s : hi - 1] + hold[s, ks]
-            cand = np.maximum(nos[s, ks] + pend, x[ks] + np.maximum(peak[ks, t], inner))
+            rest = peak[ks, t].copy()
+            if hi == n + 1:  # the head alone after a checkpoint s..n-1 runs higher (Chain.head_freed_bytes(s))
+                rest[-1] += chain.head_freed_bytes(s)
+            cand = np.maximum(nos[s, ks] + pend, x[ks] + np.maximum(rest, inner))
             peak[s, t] = min(best, int(cand.min()))
     return peak, np.stack((nosave, nosave_replay))
 
@@ -954,7 +981,8 @@ def min_peak_plan(
                 continue
             for k in range(s + 1, t + 1 if nested else s + 2):
                 inner = after[k] - after[t + 1] + int(peak[s, k - 1]) + int(hold[s, k])
-                if max(int(nos[s, k]) + pend, int(x[k]) + max(int(peak[k, t]), inner)) == peak[s, t]:
+                rest = int(peak[k, t]) + (chain.head_freed_bytes(s) if k == n else 0)
+                if max(int(nos[s, k]) + pend, int(x[k]) + max(rest, inner)) == peak[s, t]:
                     ops.append(Recompute(s, k, build(s, k - 1)))
                     s = k
                     break
