@@ -185,6 +185,30 @@ def _plain_buffers(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 yield (f"{prefix}.{name}" if prefix else name), buf
 
 
+# NOTE [ Buffer copies outside the trace ]: the tracked run is the run whose allocations the profile
+# records, so the copy of a block's buffers it takes to tell a stateful forward must not be a torch
+# allocation: a copy made with clone() was alive through the block's forward and counted as the
+# block's memory (HF ImageGPT's 1 MiB causal-mask buffer per layer: the unplanned peak profiled 18%
+# above what remat.measure reports, every budget share and prediction off with it). A CPU buffer is
+# copied as Python bytes, which the torch profiler does not see; another (a CUDA buffer's host copy is
+# no device allocation) goes to the host first.
+def _buffer_copy(buf: torch.Tensor) -> bytes | torch.Tensor:
+    t = buf.detach()
+    if t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        try:
+            return t.reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+        except (RuntimeError, TypeError):  # no numpy, or a dtype without a byte view: a tensor copy
+            pass
+    return t.clone()
+
+
+def _same_as_copy(buf: torch.Tensor, copy: bytes | torch.Tensor) -> bool:
+    if isinstance(copy, bytes):
+        t = buf.detach()
+        return t.is_contiguous() and t.reshape(-1).view(torch.uint8).cpu().numpy().tobytes() == copy
+    return torch.equal(buf, copy)
+
+
 class Probe:
     """Hooks on blocks and sub-modules that report forward/backward boundaries and saved tensors."""
 
@@ -196,7 +220,11 @@ class Probe:
         self.block_names = [", ".join(b.fqns) for b in block_list]
         self.callback = callback
         self.track = track
-        self.params = set(storages(list(model.parameters()), set()))
+        # Parameters and buffers are held before the step: a tensor the forward saves that views one (HF
+        # ImageGPT's causal-mask slice of its 1 MiB `bias` buffer, saved by torch.where) costs the step
+        # nothing, and checkpointing its block frees none of it (counting the whole storage predicted
+        # attention-only plans at 0.66x their measured peak, 1.52x their budget).
+        self.params = set(storages([*model.parameters(), *model.buffers()], set()))
         # Casts in autocast's cache made before this mark are held like the parameters (NOTE [ Autocast's
         # cached weight casts ]).
         self._cast_mark = sequence_mark()
@@ -235,7 +263,7 @@ class Probe:
         # Stateful forwards (BlockProfile.stateful): buffers before each block's forward; for the sub-modules
         # (slots n..n+m), the mutable arguments they change (NOTE [ Arguments changed by the call ]).
         self.stateful: list[tuple[str, ...]] = [()] * (n + m)
-        self._buffers_before: dict[int, dict[str, tuple[torch.Tensor, int, torch.Tensor]]] = {}
+        self._buffers_before: dict[int, dict[str, tuple[torch.Tensor, int, bytes | torch.Tensor]]] = {}
         # Mutable non-tensor arguments of each block at its call (NOTE [ Arguments changed by the call ]).
         self._args_before: dict[int, list[tuple[Any, Any]]] = {}
         self._active: list[int] = []
@@ -422,10 +450,10 @@ class Probe:
 
     def _buffer_pre(self, index: int) -> Callable[..., None]:
         def hook(_mod: nn.Module, _args: Any) -> None:
-            snap: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
+            snap: dict[str, tuple[torch.Tensor, int, bytes | torch.Tensor]] = {}
             for mod in self.members[index]:
                 for name, buf in _plain_buffers(mod):
-                    snap[f"{id(mod)}:{name}"] = (buf, buf._version, buf.detach().clone())
+                    snap[f"{id(mod)}:{name}"] = (buf, buf._version, _buffer_copy(buf))
             self._buffers_before[index] = snap
 
         return hook
@@ -437,7 +465,7 @@ class Probe:
             changed = [
                 names.get(key, key)
                 for key, (buf, version, copy) in snap.items()
-                if buf._version != version or not torch.equal(buf, copy)
+                if buf._version != version or not _same_as_copy(buf, copy)
             ]
             if changed:
                 self.stateful[index] = tuple(changed)
