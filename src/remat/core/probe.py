@@ -24,7 +24,17 @@ from remat.core.tree import leaves as tree_leaves
 from remat.core.tree import output_leaves
 from remat.errors import RematError
 
-__all__ = ["Event", "Callback", "Probe", "probe", "storages", "sequence_mark", "made_since", "restored_buffer"]
+__all__ = [
+    "Event",
+    "Callback",
+    "Probe",
+    "probe",
+    "storages",
+    "sequence_mark",
+    "made_since",
+    "held_storages",
+    "restored_buffer",
+]
 
 
 _MARKER = torch.empty(0, requires_grad=True)
@@ -38,11 +48,45 @@ def sequence_mark() -> int:
     return int(node._sequence_nr())
 
 
-def made_since(t: torch.Tensor, mark: int) -> bool:
-    """Whether ``t`` (or the tensor it views) got its autograd node after ``sequence_mark()`` returned ``mark``."""
+def made_since(t: torch.Tensor, mark: int, held: set[int] | None = None) -> bool:
+    """Whether ``t`` (or the tensor it views) got its autograd node after ``sequence_mark()`` returned ``mark``;
+    for a tensor with no node (made with no gradient to track: a frozen layer's output on an input that needs
+    none, or under ``torch.no_grad``), whether its storage is none of ``held``, the data pointers of what the
+    call could have returned without making it (``held_storages``; NOTE [ In-place edits of a member's
+    output ] in ``remat.core.runtime``). Without ``held``, a node-less tensor is not made by the call."""
     base = t._base if t._base is not None else t
     node = base.grad_fn
-    return node is not None and int(node._sequence_nr()) >= mark
+    if node is not None:
+        return int(node._sequence_nr()) >= mark
+    if held is None or t.layout is not torch.strided or base.requires_grad:
+        return False  # a leaf that requires grad is a parameter or an input, never a call's new tensor
+    try:
+        ptr = base.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool(ptr) and ptr not in held
+
+
+def held_storages(modules: Sequence[nn.Module], args: Any) -> set[int]:
+    """Data pointers of the storages a call of ``modules`` with ``args`` could return without making them:
+    its tensor arguments, the modules' parameters and buffers, and the tensors in their plain attributes
+    (a cache, a table: one level of lists, tuples and dicts), read after the call (a cache it set then
+    counts as held)."""
+    found: list[Any] = [a for a in tree_leaves(args) if isinstance(a, torch.Tensor)]
+    for mod in modules:
+        for sub in mod.modules():
+            found += sub._parameters.values()
+            found += sub._buffers.values()
+            for name, value in vars(sub).items():
+                if name in ("_parameters", "_buffers", "_modules"):
+                    continue
+                if isinstance(value, torch.Tensor):
+                    found.append(value)
+                elif isinstance(value, (list, tuple)):
+                    found += [v for v in value if isinstance(v, torch.Tensor)]
+                elif isinstance(value, dict):
+                    found += [v for v in value.values() if isinstance(v, torch.Tensor)]
+    return set(storages(found, set()))
 
 
 # NOTE [ Autocast's cached weight casts ]
@@ -274,6 +318,8 @@ class Probe:
         self.edits_own_link = [True] * n
         self._prev_out_args: dict[int, set[int]] = {}  # block index -> ids of its arguments that are such outputs
         self._marks: dict[int, int] = {}  # block index -> autograd's sequence mark when its forward started
+        # block index -> held_storages of its call, read when its forward returned (made_since)
+        self._held: dict[int, set[int]] = {}
         self._arg_versions: dict[int, list[tuple[torch.Tensor, int]]] = {}
         self._fired: set[tuple[Event, int]] = set()
         # Whether the backward unpacked anything each block saved: a block that saved tensors none of which the
@@ -311,6 +357,7 @@ class Probe:
                 if self.track:
                     self._link(index, args, kwargs)
                     self._marks[index] = sequence_mark()
+                    self._held[index] = set(storages((args, kwargs), set()))
                 for t in tree_leaves((args, kwargs)):
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         self.tensor_handles.append(t.register_hook(self._once(Event.BACKWARD_END, index)))
@@ -366,6 +413,11 @@ class Probe:
                         "output holds; return a tuple or a list instead"
                     )
             if kind is Event.FORWARD_END:
+                if self.track:
+                    # With the block's arguments (those of its first module, taken at its start).
+                    self._held[index] = self._held.get(index, set()) | held_storages(
+                        self.members[index], (_args, _kwargs)
+                    )
                 raw = self._raw_outs.pop(index, None)
                 self._prev_outs = (
                     raw
@@ -419,7 +471,9 @@ class Probe:
                 ):
                     # Made in the previous block's call, not returned from its state (NOTE [ In-place edits of
                     # a member's output ] in remat.core.runtime).
-                    if isinstance(t, torch.Tensor) and made_since(t, self._marks.get(index - 1, sys.maxsize)):
+                    if isinstance(t, torch.Tensor) and made_since(
+                        t, self._marks.get(index - 1, sys.maxsize), self._held.get(index - 1)
+                    ):
                         own.add(id(t))
                     continue
                 try:
@@ -584,6 +638,7 @@ class Probe:
             self._arg_versions.clear()
             self._prev_out_args.clear()
             self._marks.clear()
+            self._held.clear()
             self._buffers_before.clear()
             self._args_before.clear()
             for h in (*self.handles, *self.tensor_handles):

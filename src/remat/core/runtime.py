@@ -113,7 +113,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from remat.core.ops import Keep, Op, Recompute, RecomputeOps, RecomputeSub
-from remat.core.probe import made_since, restored_buffer, sequence_mark
+from remat.core.probe import held_storages, made_since, restored_buffer, sequence_mark
 from remat.core.selective import run_selective, saves_recorded, stop_passing
 from remat.core.tree import flatten, leaves, output_leaves, unflatten
 from remat.core.versions import Saved, edited_since, note_saved, replaying, where_data
@@ -143,7 +143,9 @@ _fresh_gids = itertools.count(-2, -1)
 class _Local(threading.local):
     counts: dict[int, int] | None = None
     observer: Observer | None = None
-    scope: dict[int, tuple[weakref.ref[_Frame], int]] | None = None
+    # id(span) -> (its open recording, weakly; the member position last recorded; the recording itself while
+    # nothing of the graph holds it: _frame_for)
+    scope: dict[int, tuple[weakref.ref[_Frame], int, _Frame | None]] | None = None
     # The CPU RNG state of the last recorded call, weakly: the recordings that keep it hold it, and
     # nothing else may (the last segment's state would outlive its backward, 5 KiB the chain model
     # does not count).
@@ -953,6 +955,9 @@ class _Frame:
         # finds it unchanged (no draw in the model's code between) keeps no copy; its replay goes on from
         # the state the previous call's replay leaves (NOTE [ State under recomputation ]).
         self.end_rng: bytes | None = None  # a digest: holding the state itself would hold 5 KiB per segment
+        # (call, output leaf) -> its storage, weakly, for the outputs counted as made by their call (with no
+        # autograd node, by their storage: ``made_since``) that a later member edited in place (check_made).
+        self.edited_outs: dict[tuple[int, int], weakref.ref[torch.UntypedStorage]] = {}
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -1011,7 +1016,7 @@ class _Frame:
         )
         return len(self.calls) - 1
 
-    def record_output(self, index: int, out: Any, mark: int) -> None:
+    def record_output(self, index: int, out: Any, mark: int, held: set[int] | None = None) -> None:
         for j, leaf in enumerate(output_leaves(out)):
             if isinstance(leaf, torch.Tensor):
                 self.outs[id(leaf)] = (
@@ -1019,8 +1024,40 @@ class _Frame:
                     j,
                     weakref.ref(leaf),
                     leaf._version,
-                    made_since(leaf, mark),
+                    made_since(leaf, mark, held),
                     where_data(leaf),
+                )
+
+    def note_edited(self, t: torch.Tensor) -> None:
+        """A later member edited ``t``, an output of a recorded call that made it, in place: the replay checks
+        that the call makes it anew (NOTE [ In-place edits of a member's output ])."""
+        hit = self.outs.get(id(t))
+        if hit is None or hit[2]() is not t:
+            return
+        base = t._base if t._base is not None else t
+        try:
+            self.edited_outs[(hit[0], hit[1])] = weakref.ref(base.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            pass
+
+    def check_made(self, index: int, out: Any) -> None:
+        """Refuse a replayed output that a later member edits in place and that is the very storage the
+        forward's call returned (state the call returns, which the replay would edit a second time)."""
+        leaves = output_leaves(out)
+        for (call, j), ref in self.edited_outs.items():
+            if call != index or j >= len(leaves) or not isinstance(leaves[j], torch.Tensor):
+                continue
+            st = ref()
+            leaf = leaves[j]
+            base = leaf._base if leaf._base is not None else leaf
+            if st is not None and base.untyped_storage() is st:
+                name = self.calls[index].role.name
+                raise RematError(
+                    f"apply: module {name!r} returned the same tensor (output #{j}, shape {tuple(leaf.shape)}) when "
+                    "recomputed as in its forward, not one it made (a tensor it keeps in its state, a cache, a "
+                    "global), and a later module of the segment edits that tensor in place, so the recomputation "
+                    "would edit it a second time; return a copy (t.clone()), or keep these blocks (a plan that "
+                    "does not recompute them)"
                 )
 
     @contextlib.contextmanager
@@ -1124,6 +1161,8 @@ class _Frame:
                         _set_py_states(call.py_rng)
                     out = _replay_call(call, args, kwargs)
                     del args, kwargs
+                    if self.edited_outs:
+                        self.check_made(index, out)
                     # Hold a replayed output only while a later call takes it (as the forward did).
                     for done in [i for i, last in last_use.items() if last <= index and i in outs]:
                         del outs[done]
@@ -1593,7 +1632,18 @@ _HOP_FIX = "keep this block (a plan that does not recompute it), or checkpoint i
 # (a cached tensor, a slice of a buffer) is the same old tensor in the replay, which the editing member
 # would edit a second time (gradients and state silently off, helper-44). A tensor counts as made in a
 # call when it (or the base it views) got its autograd node after the call started (``made_since``,
-# by the nodes' sequence numbers). Not checked: a tensor a member saved for backward that a later member
+# by the nodes' sequence numbers). A tensor with no node (a frozen layer's output on an input that needs
+# no grad, a forward run under ``torch.no_grad``: fine-tuning's frozen stems and encoders) counts as made
+# when its storage is none of the call's tensor arguments, its modules' parameters and buffers and the
+# tensors in their plain attributes, read after the call (``held_storages``): before, every such output
+# counted as not made, and ReLU(inplace=True) after a frozen layer was refused in every segment (a VGG
+# with a frozen first Linear: ``segments(2)`` refused where ``checkpoint_sequential`` is exact). A tensor
+# held where remat does not look (a closure, a global) would pass that rule: the replay checks every
+# edited output it hands on (``_Frame.check_made``), and refuses one that is the very storage the
+# forward's call returned, before the editing member runs again. And while no member of a recording has
+# saved anything (a frozen first layer), the scope holds the recording (``_frame_for``): the graph,
+# which holds it otherwise, held nothing of it, and the next member started a recording of its own.
+# Not checked: a tensor a member saved for backward that a later member
 # edits in place (a Sigmoid's output, then ReLU(inplace=True)); the plain backward fails on it
 # ("modified by an inplace operation"), the replay saves through hooks, which skip autograd's version
 # check, and its buffers are copied back around each call, so versions cannot tell. The profile records
@@ -2017,7 +2067,12 @@ def _frame_for(span: _Span, position: int) -> _Frame:
     if position + 1 >= span.size:
         scope.pop(id(span), None)  # the last member: the recording is complete
     else:
-        scope[id(span)] = (weakref.ref(frame), position)
+        # The graph holds a recording through the holders of what it saved. Until a member saves something
+        # (a frozen first layer on an input that needs no grad saves nothing), the scope holds it: else it
+        # was freed before the next member, which then started a recording of its own with its argument
+        # external, and an in-place edit of it (ReLU(inplace=True) after the frozen layer) was refused
+        # (NOTE [ In-place edits of a member's output ]).
+        scope[id(span)] = (weakref.ref(frame), position, None if frame.holders else frame)
     return frame
 
 
@@ -2080,6 +2135,13 @@ def _invoke(
         # The learning call: the generators it drew from, at their states before its first draws.
         rng.generators.update(watch.found)
     state = guard.check(rng)
+    if guard.own_links:
+        for t, version in zip(guard.args, guard.arg_versions):
+            if t._version != version and id(t) in guard.own_links:
+                # An output edited here: the replay checks that its call makes it anew (one with no autograd
+                # node counted as made by its storage: NOTE [ In-place edits of a member's output ]).
+                for frame, _ in recorded:
+                    frame.note_edited(t)
     _check_params_kept(role, params, sums)
     py_rng = py_before if py_before is not None and _py_drew(py_before) else None
     role.py_rng = role.py_rng or py_rng is not None
@@ -2091,6 +2153,12 @@ def _invoke(
             role.learned = False  # refused on every call, not only the first
             raise _updated_error(role.name, updated[0])
     reads = _note_reads(role)
+    # What the call could return without making it, for its outputs with no autograd node (made_since).
+    held = (
+        held_storages([module], flat)
+        if any(isinstance(t, torch.Tensor) and t.grad_fn is None for t in output_leaves(out))
+        else None
+    )
     end_rng = _digest(torch.get_rng_state()) if any(pos + 1 < span.size for span, pos in spans) else None
     if (
         _LOCAL.last_rng is not None
@@ -2105,7 +2173,7 @@ def _invoke(
         frame.calls[index].py_rng = py_rng
         frame.calls[index].attrs = guard.attrs
         frame.calls[index].reads = reads
-        frame.record_output(index, out, mark)
+        frame.record_output(index, out, mark, held)
         frame.end_rng = end_rng if position + 1 < span.size else None  # the last member: no call follows
     return out
 
