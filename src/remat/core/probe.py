@@ -274,6 +274,10 @@ class Probe:
         self._cast_mark = sequence_mark()
         n, m = len(block_list), len(self.subs)
         self.saved: list[dict[int, int]] = [{} for _ in range(n + m)]
+        # Of them, the casts in autocast's cache made in this iteration (autocast_cached with no mark): the
+        # cache holds them until its region exits, whatever the checkpoint (remat.profile.profiler's
+        # sub-module saved_bytes leaves them out).
+        self.cast_saved: list[dict[int, int]] = [{} for _ in range(n + m)]
         self.inputs: list[dict[int, int]] = [{} for _ in range(n + m)]
         self.outputs: list[dict[int, int]] = [{} for _ in range(n + m)]
         # Of each block's outputs, those edited in place after they were made (``_version > 0``: an
@@ -577,8 +581,11 @@ class Probe:
             except (RuntimeError, NotImplementedError):
                 return t.detach()
             if ptr not in self.params and not autocast_cached(t, self._cast_mark):
+                cast = autocast_cached(t, 1 << 62)
                 for slot in self._active:
                     self.saved[slot][ptr] = size
+                    if cast:
+                        self.cast_saved[slot][ptr] = size
                 return (t.detach(), tuple(self._active))
         return t.detach()
 

@@ -236,6 +236,9 @@ class Chain:
     gap_bytes: tuple[int, ...] = ()
     pinned_bytes: tuple[int, ...] = ()
     pinned_out_bytes: tuple[int, ...] = ()
+    # Per block, the part of pinned_bytes freed before the loss (BlockProfile.pinned_fwd_bytes): a segment
+    # at the top level of a plan holds it to the head, a replay's never (Chain.segment_fwd_only_bytes).
+    pinned_fwd_bytes: tuple[int, ...] = ()
     reused_bytes: tuple[int, ...] = ()
     unlinked_bytes: tuple[int, ...] = ()
     unsaved_input_bytes: tuple[int, ...] = ()
@@ -277,6 +280,7 @@ class Chain:
             "gap_bytes",
             "pinned_bytes",
             "pinned_out_bytes",
+            "pinned_fwd_bytes",
             "reused_bytes",
             "unlinked_bytes",
             "unsaved_input_bytes",
@@ -392,6 +396,15 @@ class Chain:
             + self.late_held_bytes(start, stop)
         )
 
+    def segment_fwd_only_bytes(self, start: int, stop: int) -> int:
+        """The part of ``segment_bytes(start, stop)`` held through the step's forward only, bytes: what its
+        blocks pin that the plain step frees before the loss (``pinned_fwd_bytes``; autocast's cached weight
+        casts, freed when a region inside the model exits, NOTE [ Pinned through the forward only ] in
+        ``remat.profile.profiler``). The simulator drops it from the level at the head for a segment at the top
+        level of the plan and never charges it to one inside a replay (each replayed call re-enters autocast,
+        and its casts die with the call); the solvers charge it as held to the segment's backward (safe side)."""
+        return sum(int(self.pinned_fwd_bytes[q]) for q in range(start, stop))
+
     def late_held_bytes(self, start: int, stop: int) -> int:
         """Bytes of the inputs a segment ``start..stop-1`` takes from before it that the plain step frees
         in the forward after the segment, or in the head (``late_inputs``): the segment holds them from its
@@ -432,6 +445,16 @@ class Chain:
         generator back afterwards (``ckpt_state_bytes``: the runtime's replay, as torch's checkpoint,
         runs under ``torch.random.fork_rng``, which holds ``torch.get_rng_state()`` until the replay ends)."""
         return int(self.pending_grad_bytes[last]) + int(self.ckpt_state_bytes)
+
+    def replay_input_bytes(self, start: int) -> int:
+        """The part of ``replay_hold_bytes`` owed to the segment's first block's freed input
+        (``freed_input_bytes[start]``), bytes: the checkpoint holds that input, which the level holds
+        already (the segment never freed it), while the replayed ``Keep(start)``'s ``S'`` nets its free.
+        So it is charged from the end of that replayed forward on, not before: ``fp[start]`` was measured
+        with the input present (charged before it, full() over a block that does not save its 2 MiB input
+        was predicted 1.32x its measured peak). A replay that starts with a nested checkpoint at ``start``
+        never nets the free (``segment_bytes`` holds the gap whole): nothing is charged."""
+        return int(self.freed_input_bytes[start])
 
     def replay_hold_bytes(self, start: int, stop: int) -> int:
         """How much higher than its blocks' ``S'`` the replay of a segment ``start..stop-1`` (and its
@@ -614,6 +637,7 @@ def chain_of(profile: Profile) -> Chain:
         ckpt_state_bytes=profile.ckpt_state_bytes,
         gap_bytes=tuple(b.gap_bytes for b in bps) + (0,),
         pinned_bytes=tuple(b.pinned_bytes for b in bps) + (0,),
+        pinned_fwd_bytes=tuple(min(b.pinned_fwd_bytes, b.pinned_bytes) for b in bps) + (0,),
         pinned_out_bytes=tuple(b.pinned_out_bytes for b in bps) + (0,),
         reused_bytes=tuple(b.reused_bytes for b in bps) + (0,),
         unlinked_bytes=tuple(b.unlinked_bytes for b in bps) + (0,),

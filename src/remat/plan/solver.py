@@ -41,6 +41,18 @@ for the rest (``slack[s] >= 0`` dropped) and ``ceil(x[k] / u)`` for the inner pl
 negative sizes push beyond the table is clamped to its top (``opt`` does not increase with ``m``, so
 this is safe too). With 1-byte units (small headrooms) the program is exact.
 
+# NOTE [ The replay's first block ]
+A ``Recompute(s, k, I)`` replays ``I`` above ``Chain.replay_hold_bytes(s, k)``, of which the first block's
+freed input (``Chain.replay_input_bytes(s)``: the checkpoint holds it, the replayed ``Keep(s)``'s ``S'`` nets
+its free) is held from the end of that replayed forward on, not before it: the level holds the input
+already and ``fp[s]`` was measured with it present (charged before it, a chain whose first block does not
+save its 2 MiB input had full() predicted 1.32x its measured peak). An ``I`` that starts with a nested
+checkpoint at ``s`` never nets the free and is charged nothing for it. So an inner plan is not ``opt(s, t)``,
+the rest after a checkpoint ending before ``s``: the program keeps ``opt_start(s, t, m)`` (keep-first as in
+``opt`` but ``fi[s]`` higher after the forward; checkpoint-first exactly as in ``opt``) for the ``t`` being
+filled, which only ``W[s, t+1]`` reads, and ``_rebuild`` re-evaluates it (``_Table.start_choice``); the peak
+recursion keeps its ``P_start`` as a table.
+
 # NOTE [ Keep variants ]
 A block may be kept in more than one way: plainly, or with a sub-module (its attention, its MLP)
 checkpointed inside it (``RecomputeSub``, measured by the profile as bytes freed and recompute ms).
@@ -91,6 +103,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -262,6 +275,9 @@ class _Simulator:
         # once, by the first (Chain.late_records); per checkpoint: the bytes it charged, and which.
         self.late_open: set[int] = set()
         self.late_charged: dict[int, tuple[int, tuple[int, ...]]] = {}
+        # What the top-level segments hold through the forward only (Chain.segment_fwd_only_bytes): per
+        # checkpoint, the bytes still on the level; dropped at the head.
+        self.fwd_only: dict[int, int] = {}
 
     def _late(self, op: Recompute) -> tuple[int, tuple[int, ...]]:
         """What a checkpoint charges for the late inputs it holds from its end that no open checkpoint
@@ -311,6 +327,8 @@ class _Simulator:
                     - c.x_bytes[q]
                     - c.ckpt_state_bytes
                     - c.late_held_bytes(op.start, q)
+                    # In a replay each block call's casts die with it (Chain.segment_fwd_only_bytes).
+                    - (c.segment_fwd_only_bytes(op.start, q) if replay else 0)
                     if q > op.start
                     else 0
                 )
@@ -321,6 +339,12 @@ class _Simulator:
             self.late_charged[id(op)] = late
             self.late_open.update(late[1])
             self.level += c.segment_bytes(op.start, op.stop) - c.late_held_bytes(op.start, op.stop) + late[0]
+            # Held to the head at the top level, never in a replay (Chain.segment_fwd_only_bytes).
+            fwd_only = c.segment_fwd_only_bytes(op.start, op.stop)
+            if replay:
+                self.level -= fwd_only
+            else:
+                self.fwd_only[id(op)] = fwd_only
             return
         keep, fwd_peak, _ = self._block_sizes(op, replay)
         self._rise(fwd_peak)
@@ -360,17 +384,25 @@ class _Simulator:
             late_held, late_ids = self.late_charged.pop(id(op))
             # (what the last block's gap released, and late inputs its blocks free: Chain.late_replay_bytes)
             hold = self.chain.replay_hold_bytes(op.start, op.stop)
+            # Of which the first block's freed input, from the end of its replayed forward on (a nested
+            # checkpoint first never nets its free: Chain.replay_input_bytes).
+            hold -= self.chain.replay_input_bytes(op.start)
+            first = 0 if isinstance(op.inner[0], Recompute) else self.chain.replay_input_bytes(op.start)
             pending = self.chain.replay_above_bytes(op.stop - 1)  # and the RNG state its replay forks
             self.level += hold + pending  # the replay runs when the backward reaches the last block
             for i, inner_op in enumerate(op.inner):
                 self.forward(inner_op, replay=True, discard=freed if i == last else 0)
+                if i == 0:
+                    self.level += first
             self.level -= pending  # a kept block's bp counts the gradients pending at its own backward
             # The replay stops after the last block's last saved tensor (torch's early stop).
             self.extra_ms -= float(self.chain.stop_ms[op.stop - 1])
             for i in range(last, -1, -1):
                 self.backward(op.inner[i], discard=freed if i == last else 0)
-            self.level -= hold
+            self.level -= hold + first
             self.level -= self.chain.segment_bytes(op.start, op.stop) - self.chain.late_held_bytes(op.start, op.stop)
+            # What it held through the forward only left at the head (top level) or was never held (replay).
+            self.level += self.chain.segment_fwd_only_bytes(op.start, op.stop) - self.fwd_only.pop(id(op), 0)
             self.level -= late_held
             self.late_open.difference_update(late_ids)
             return
@@ -392,6 +424,11 @@ class _Simulator:
         self._rise(c.bwd_peak_bytes[n])
         self.level -= c.keep_bytes[n]
         self.level -= extra
+        # NOTE [ Pinned through the forward only ] in remat.profile.profiler: freed before the loss (charged
+        # through the head's peak, on the safe side), held by no segment in the backward.
+        for key in self.fwd_only:
+            self.level -= self.fwd_only[key]
+            self.fwd_only[key] = 0
         self.level += int(c.grad_bytes[n])
 
 
@@ -507,9 +544,14 @@ class _Table:
     nosave_bytes: npt.NDArray[np.int64]  # [s, k]: nosave(s, k) + ckpt_state_bytes (0 where blocked)
     nosave_replay: npt.NDArray[np.int64]  # the same in a replay, where the code between blocks does not run
     hold_units: list[list[int]]  # [s][k]: checkpoint s..k-1: its inner plan runs above Chain.replay_hold_bytes
+    # (less the first block's freed input, Chain.replay_input_bytes: charged from the end of its replayed forward)
     pending: list[int]  # pending[t]: gradients pending when t's backward starts; s..t (t < n) is a replay's
     # inner plan, whose forward runs above them
     head_units: list[int]  # [s]: checkpoint s..n-1, then the head: m -> m - head_units[s] (Chain.head_freed_bytes)
+    # Per block, per way of keeping it, as the first block of a replay's inner plan (Chain.replay_input_bytes
+    # held from the end of its forward on): (units it costs, units its backward needs kept before more
+    # blocks, units it needs as the last block of a range).
+    start_kept: list[list[tuple[int, int, int]]]
 
     def rest_units_after(self, s: int, k: int) -> int:
         """Units the rest ``k..t`` runs below ``m`` after a checkpoint ``s..k-1``: ``rest_units[k]``, and for the
@@ -558,6 +600,33 @@ class _Table:
                 return fqns, j
         return None
 
+    def start_choice(self, s: int, t: int, m: int) -> tuple[VariantId | _TopOnly | None, int] | tuple[int, int]:
+        """How the inner plan of a checkpoint from ``s`` (``opt_start(s, t, m)``, NOTE [ The replay's first
+        block ]) runs: ``(way, next m)`` to keep ``s`` first (preferred on ties), else ``(k, -1)`` for a
+        nested checkpoint ``s..k-1`` first; re-evaluated with the fill's floating-point operations."""
+        keeps: list[tuple[float, VariantId | _TopOnly | None, int]] = []
+        for way, (units, bwd_ok, last_ok) in zip(self.kept[s], self.start_kept[s], strict=True):
+            fqns, _units, _fwd, _bwd_ok, _last_ok, fb, _replay_fwd = way
+            if not _allowed(fqns, s, t, self.n):
+                continue
+            if s == t:
+                if m >= last_ok:
+                    keeps.append((fb, fqns, m))
+                continue
+            j = self.shift_index(m, units)
+            if j >= 0 and m >= max(self.keep_ok(s, t, way), bwd_ok):
+                keeps.append((float(fb + self.opt[s + 1, t, j]), fqns, j))
+        ckpts = [
+            (self.rest_value(s, t, k, m) + float(self.shifted[s, k, m]), k)
+            for k in (self.candidates(s, t) if s < t else ())
+            if m >= self.nosave_ok(s, t, k)
+        ]
+        value = min([v for v, _f, _j in keeps] + [v for v, _k in ckpts])
+        for v, fqns, j in keeps:
+            if v == value:
+                return fqns, j
+        return next(k for v, k in ckpts if v == value), -1
+
     def candidates(self, s: int, t: int) -> range:
         return range(s + 1, t + 1) if self.nested else range(s + 1, s + 2)
 
@@ -599,7 +668,11 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
     head_units = [_ceil_div(held[n] + slack[n] + chain.head_freed_bytes(s), u) for s in range(n + 1)]
     inner_units = [_ceil_div(held[k], u) for k in range(n + 1)]
     hold_units = [
-        [_ceil_div(chain.replay_hold_bytes(s, k), u) if k > s else 0 for k in range(n + 2)] for s in range(n + 1)
+        [
+            _ceil_div(chain.replay_hold_bytes(s, k) - chain.replay_input_bytes(s), u) if k > s else 0
+            for k in range(n + 2)
+        ]
+        for s in range(n + 1)
     ]
     # A range s..t with t < n is only ever the inner plan of a checkpoint ending at t (or part of one):
     # its forwards run in the replay, above the gradients pending at t's backward; its backwards do not.
@@ -611,8 +684,12 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
     # Keeping s the plain way costs exactly level_units[s+1] - level_units[s] (the ceil telescopes);
     # any way costs ceil((S_v + slack[s+1] - slack[s]) / u), which is that for the plain S.
     kept: list[list[_Way]] = []
+    start_kept: list[list[tuple[int, int, int]]] = []
     for s in range(n + 1):
         ways: list[_Way] = []
+        # As the first block of a replay's inner plan: its freed input held from the end of its forward on.
+        first = chain.replay_input_bytes(s) if s < n else 0
+        start_ways: list[tuple[int, int, int]] = []
         for fqns, keep, fwd_peak, bwd_peak, extra, replay_fwd in variants[s]:
             units = _ceil_div(keep + slack[s + 1] - slack[s], u) if s < n else _ceil_div(keep, u)
             # Kept before s+1..t, its backward runs above their gradients: t drops out (grads_after[s+1]).
@@ -625,9 +702,21 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
             ways.append(
                 (fqns, units, int(fwd_peak), bwd_ok, last_ok, float(f[s]) + float(b[s]) + extra, int(replay_fwd))
             )
+            start_ways.append(
+                (
+                    _ceil_div(keep + first + slack[s + 1] - slack[s], u) if s < n else units,
+                    _ceil_div(keep + first + bwd_peak + after[s + 1] - slack[s], u),
+                    _ceil_div(max(last_fwd + pending[s], keep - freed + bwd_peak + first) + after[s + 1] - slack[s], u),
+                )
+            )
         kept.append(ways)
+        start_kept.append(start_ways)
     # Negative sizes give headroom back; widen the table by as much so that is not lost to clamping.
-    gain = sum(max(0, -w[1]) for ways in kept for w in ways) + sum(max(0, -v) for v in rest_units + inner_units)
+    gain = (
+        sum(max(0, -w[1]) for ways in kept for w in ways)
+        + sum(max(0, -w[0]) for ways in start_kept for w in ways)
+        + sum(max(0, -v) for v in rest_units + inner_units)
+    )
     size = top_units + 1 + min(gain, top_units + 1)
 
     opt = np.full((n + 1, n + 1, size), _INF)
@@ -651,19 +740,29 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
         hold_units,
         pending,
         head_units,
+        start_kept,
     )
     scratch = np.empty((n + 1, size))
+    # opt_start(s, t) for the t being filled (NOTE [ The replay's first block ]): only W[s, t+1] reads it.
+    start_rows = np.full((n + 1, size), _INF)
     best, cand, least = np.empty(size), np.empty(size), np.empty(size)  # reused rows (see _shift)
     columns = np.arange(size)
     for t in range(n + 1):
+        start_rows.fill(_INF)
         for s in range(t, -1, -1):
             row = opt[s, t]
+            start_row = start_rows[s]
             if s == t:
-                for variant, _units, _fwd, _bwd_ok, last_ok, fb, _replay_fwd in kept[s]:
+                for (variant, _units, _fwd, _bwd_ok, last_ok, fb, _replay_fwd), start_way in zip(
+                    kept[s], start_kept[s], strict=True
+                ):
                     if not _allowed(variant, s, t, n):
                         continue
                     lo = min(max(0, last_ok), size)
                     np.minimum(row[lo:], fb, out=row[lo:])
+                    if t < n:
+                        lo = min(max(0, start_way[2]), size)
+                        np.minimum(start_row[lo:], fb, out=start_row[lo:])
             else:
                 best.fill(_INF)
                 for way in kept[s]:
@@ -688,6 +787,16 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
                     if lim:
                         np.copyto(buf[:, :lim], _INF, where=columns[None, :lim] < need[:, None])
                 np.minimum(best, buf.min(axis=0, out=least), out=row)
+                if t < n:
+                    # The same range as the inner plan of a checkpoint from s: s kept first holds its freed
+                    # input from the end of its forward on; a nested checkpoint first as above.
+                    np.copyto(start_row, least)
+                    for way, start_way in zip(kept[s], start_kept[s], strict=True):
+                        if not _allowed(way[0], s, t, n):
+                            continue
+                        np.add(_shift(opt[s + 1, t], start_way[0], cand), way[5], out=cand)
+                        cand[: max(0, min(max(table.keep_ok(s, t, way), start_way[1]), size))] = _INF
+                        np.minimum(start_row, cand, out=start_row)
             # W[t, s] = opt(s, t, m - rest_units[s]), used by (s', t) with s' < s as "the rest after
             # checkpointing s'..s-1".
             if s > 0:
@@ -717,16 +826,29 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
                 nosave = int(max(int(chain.replay_fwd_peak_bytes[s]), later_replay)) + int(chain.ckpt_state_bytes)
                 nosave_replay[s, t + 1] = nosave
                 # The checkpoint holds s's freed input through the inner plan (Chain.freed_input_bytes).
-                w = _shift(opt[s, t], inner_units[t + 1] + hold_units[s][t + 1], shifted[s, t + 1])
+                w = _shift(start_rows[s], inner_units[t + 1] + hold_units[s][t + 1], shifted[s, t + 1])
                 # The replay of s..t stops after t's last saved tensor (Chain.stop_ms).
                 np.add(w, fsum + float(chain.ckpt_call_ms) - float(chain.stop_ms[t]), out=w)
                 w[: max(0, min(_ceil_div(nosave - slack[s], u), size))] = _INF
     return table
 
 
-def _rebuild(table: _Table, s: int, t: int, m: int) -> tuple[Op, ...]:
-    """The plan realising ``opt(s, t, m)`` (finite), by re-evaluating the candidates in order."""
+def _rebuild(table: _Table, s: int, t: int, m: int, start: bool = False) -> tuple[Op, ...]:
+    """The plan realising ``opt(s, t, m)`` (finite; ``start``: ``opt_start``, the inner plan of a checkpoint
+    from ``s``), by re-evaluating the candidates in order."""
     ops: list[Op] = []
+    if start:
+        how, j = table.start_choice(s, t, m)
+        if j >= 0:  # s kept first (or alone)
+            ops.append(_kept_op(s, how))  # type: ignore[arg-type]
+            if s == t:
+                return tuple(ops)
+            m, s = j, s + 1
+        else:  # a nested checkpoint s..k-1 first
+            k = cast(int, how)  # the nested checkpoint's end
+            inner_m = table.shift_index(m, table.inner_units[k] + table.hold_units[s][k])
+            ops.append(Recompute(s, k, _rebuild(table, s, k - 1, inner_m, start=True)))
+            m, s = table.shift_index(m, table.rest_units_after(s, k)), k  # type: ignore[arg-type,assignment]
     while s < t:
         value = table.opt[s, t, m]
         choice = table.keep_choice(s, t, m, value)
@@ -738,7 +860,7 @@ def _rebuild(table: _Table, s: int, t: int, m: int) -> tuple[Op, ...]:
         for k in table.candidates(s, t):
             if m >= table.nosave_ok(s, t, k) and table.rest_value(s, t, k, m) + table.shifted[s, k, m] == value:
                 inner_m = table.shift_index(m, table.inner_units[k] + table.hold_units[s][k])
-                ops.append(Recompute(s, k, _rebuild(table, s, k - 1, inner_m)))
+                ops.append(Recompute(s, k, _rebuild(table, s, k - 1, inner_m, start=True)))
                 m, s = table.shift_index(m, table.rest_units_after(s, k)), k
                 break
         else:  # pragma: no cover - the fill and this loop evaluate the same expressions
@@ -853,13 +975,28 @@ def _held(chain: Chain) -> list[int]:
 
 
 def _hold_table(chain: Chain) -> npt.NDArray[np.int64]:
-    """``[s, k]``: what the replay of a checkpoint ``s..k-1`` runs above (``Chain.replay_hold_bytes``; 0 for ``k <= s``)."""
+    """``[s, k]``: what the replay of a checkpoint ``s..k-1`` runs above from its start (``Chain.replay_hold_bytes``
+    less the first block's freed input, ``Chain.replay_input_bytes``, charged from the end of its replayed
+    forward on; 0 for ``k <= s``)."""
     n = chain.n
     out = np.zeros((n + 1, n + 1), dtype=np.int64)
     for s in range(n):
         for k in range(s + 1, n + 1):
-            out[s, k] = chain.replay_hold_bytes(s, k)
+            out[s, k] = chain.replay_hold_bytes(s, k) - chain.replay_input_bytes(s)
     return out
+
+
+def _start_kept_peak(way: _PeakWay, first: int, grads: int, rest: int, pending: int) -> int:
+    """Peak of keeping a block (this way) first in a replay's inner plan, before a range whose peak is ``rest``:
+    its freed input (``first``) is held from the end of its forward on (NOTE [ The replay's first block ])."""
+    _fqns, keep, _fwd_peak, keep_bwd_peak, _last, replay_fwd = way
+    return max(replay_fwd + pending, keep_bwd_peak + first + grads, keep + first + rest)
+
+
+def _start_last_peak(way: _PeakWay, first: int, freed: int, pending: int) -> int:
+    """Peak of a block (this way) alone as a replay's inner plan: its freed input held after its forward."""
+    _fqns, _keep, _fwd_peak, keep_bwd_peak, _last, replay_fwd = way
+    return max(replay_fwd + pending, keep_bwd_peak - freed + first)
 
 
 _PeakWay = tuple[VariantId | _TopOnly | None, int, int, int, int, int]
@@ -896,8 +1033,9 @@ def _last_peak(way: _PeakWay, pending: int = 0) -> int:
 
 def _peak_table(
     chain: Chain, nested: bool, variants: list[list[_Variant]]
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """``P[s, t]``: the least chain peak of running ``s..t`` above its entry level, and ``nosave``."""
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """``P[s, t]``: the least chain peak of running ``s..t`` above its entry level, ``nosave``, and ``P`` of
+    ``s..t`` as the inner plan of a checkpoint from ``s`` (NOTE [ The replay's first block ]; ``t < n``)."""
     n = chain.n
     x = np.asarray(_held(chain), dtype=np.int64)  # what a checkpoint holds
     ways = _peak_ways(chain, variants)
@@ -917,10 +1055,17 @@ def _peak_table(
     pending = np.asarray([chain.replay_above_bytes(t) for t in range(n)] + [0], dtype=np.int64)
     hold = _hold_table(chain)
     peak = np.zeros((n + 1, n + 1), dtype=np.int64)
+    start = np.zeros((n + 1, n + 1), dtype=np.int64)
+    first = [chain.replay_input_bytes(s) for s in range(n)] + [0]
+    freed = [int(chain.out_free_bytes[s]) for s in range(n)] + [0]
     for t in range(n + 1):
         # s..t with t < n runs as (part of) a replay's inner plan: its forwards above pending[t].
         pend = int(pending[t]) if t < n else 0
         peak[t, t] = min(_last_peak(way, pend) for way in ways[t] if _allowed(way[0], t, t, n))
+        if t < n:
+            start[t, t] = min(
+                _start_last_peak(way, first[t], freed[t], pend) for way in ways[t] if _allowed(way[0], t, t, n)
+            )
         # And without the code between blocks, which a replay does not run (Chain.replay_fwd_peak_bytes).
         replay, nos = t < n, nosave if t == n else nosave_replay
         for s in range(t - 1, -1, -1):
@@ -932,13 +1077,22 @@ def _peak_table(
             )
             hi = t + 1 if nested else s + 2
             ks = slice(s + 1, hi)
-            inner = after[ks] - after[t + 1] + peak[s, s : hi - 1] + hold[s, ks]
+            inner = after[ks] - after[t + 1] + start[s, s : hi - 1] + hold[s, ks]
             rest = peak[ks, t].copy()
             if hi == n + 1:  # the head alone after a checkpoint s..n-1 runs higher (Chain.head_freed_bytes(s))
                 rest[-1] += chain.head_freed_bytes(s)
             cand = np.maximum(nos[s, ks] + pend, x[ks] + np.maximum(rest, inner))
             peak[s, t] = min(best, int(cand.min()))
-    return peak, np.stack((nosave, nosave_replay))
+            if t < n:
+                start[s, t] = min(
+                    int(cand.min()),
+                    *(
+                        _start_kept_peak(way, first[s], grads, int(peak[s + 1, t]), pend)
+                        for way in ways[s]
+                        if _allowed(way[0], s, t, n)
+                    ),
+                )
+    return peak, np.stack((nosave, nosave_replay)), start
 
 
 def min_peak_plan(
@@ -957,17 +1111,54 @@ def min_peak_plan(
         shortest segment (not necessarily the fastest).
     """
     variants = _variants(chain, sub_costs, top_level_variants)
-    peak, nosave = _peak_table(chain, nested, variants)
+    peak, nosave, start_peak = _peak_table(chain, nested, variants)
     ways = _peak_ways(chain, variants)
     n = chain.n
     x = _held(chain)  # what a checkpoint holds
     after = _grads_after(chain)
     hold = _hold_table(chain)
 
-    def build(s: int, t: int) -> tuple[Op, ...]:
+    def checkpoint_first(s: int, t: int, target: int, pend: int, nos: npt.NDArray[np.int64]) -> int | None:
+        for k in range(s + 1, t + 1 if nested else s + 2):
+            inner = after[k] - after[t + 1] + int(start_peak[s, k - 1]) + int(hold[s, k])
+            rest = int(peak[k, t]) + (chain.head_freed_bytes(s) if k == n else 0)
+            if max(int(nos[s, k]) + pend, int(x[k]) + max(rest, inner)) == target:
+                return k
+        return None
+
+    def build(s: int, t: int, start: bool = False) -> tuple[Op, ...]:
         ops: list[Op] = []
         pend = chain.replay_above_bytes(t) if t < n else 0
         nos = nosave[0] if t == n else nosave[1]
+        if start:  # the inner plan of a checkpoint from s (NOTE [ The replay's first block ])
+            target, fi = int(start_peak[s, t]), chain.replay_input_bytes(s)
+            freed = int(chain.out_free_bytes[s])
+            if s == t:
+                return (
+                    _kept_op(
+                        s,
+                        next(
+                            w[0]
+                            for w in ways[s]
+                            if _allowed(w[0], s, t, n) and _start_last_peak(w, fi, freed, pend) == target
+                        ),
+                    ),
+                )
+            grads = after[s + 1] - after[t + 1]
+            kept = [
+                way[0]
+                for way in ways[s]
+                if _allowed(way[0], s, t, n) and _start_kept_peak(way, fi, grads, int(peak[s + 1, t]), pend) == target
+            ]
+            if kept:
+                ops.append(_kept_op(s, kept[0]))
+                s += 1
+            else:
+                k = checkpoint_first(s, t, target, pend, nos)
+                if k is None:  # pragma: no cover - mirrors _peak_table
+                    raise RematError(f"min_peak: internal error, no candidate reproduces the replay's P({s}, {t})")
+                ops.append(Recompute(s, k, build(s, k - 1, start=True)))
+                s = k
         while s < t:
             grads = after[s + 1] - after[t + 1]
             kept = [
@@ -979,15 +1170,11 @@ def min_peak_plan(
                 ops.append(_kept_op(s, kept[0]))
                 s += 1
                 continue
-            for k in range(s + 1, t + 1 if nested else s + 2):
-                inner = after[k] - after[t + 1] + int(peak[s, k - 1]) + int(hold[s, k])
-                rest = int(peak[k, t]) + (chain.head_freed_bytes(s) if k == n else 0)
-                if max(int(nos[s, k]) + pend, int(x[k]) + max(rest, inner)) == peak[s, t]:
-                    ops.append(Recompute(s, k, build(s, k - 1)))
-                    s = k
-                    break
-            else:  # pragma: no cover - mirrors _peak_table
+            k = checkpoint_first(s, t, int(peak[s, t]), pend, nos)
+            if k is None:  # pragma: no cover - mirrors _peak_table
                 raise RematError(f"min_peak: internal error, no candidate reproduces P({s}, {t}) = {peak[s, t]}")
+            ops.append(Recompute(s, k, build(s, k - 1, start=True)))
+            s = k
         if t < n:
             ops.append(
                 _kept_op(
@@ -1018,7 +1205,7 @@ def min_peak(
         ``max(pre_peak_bytes, base_bytes, base_bytes + lowest chain peak, base_bytes +
         tail_peak_bytes)``, bytes: the ``peak_bytes`` :func:`simulate` gives :func:`min_peak_plan`.
     """
-    peak, _ = _peak_table(chain, nested, _variants(chain, sub_costs, top_level_variants))
+    peak, _, _ = _peak_table(chain, nested, _variants(chain, sub_costs, top_level_variants))
     chain_peak = int(peak[0, chain.n])
     return max(
         int(chain.pre_peak_bytes),

@@ -124,6 +124,9 @@ class BlockProfile:
             segment going on past the block never held them, so it holds that much more of the gap.
         pinned_bytes: Bytes allocated in its forward, its outputs excluded, that stay alive when
             autograd saves nothing inside the blocks (held by the model or a hook), bytes.
+        pinned_fwd_bytes: The part of ``pinned_bytes`` freed before the loss (NOTE [ Pinned through the forward
+            only ] in ``remat.profile.profiler``: autocast's cached weight casts, freed when a region inside the
+            model exits), held by a segment through the step's forward only, bytes.
         pinned_out_bytes: Bytes of its outputs that stay alive when autograd saves nothing inside blocks
             (hidden states the model collects; an output the code between blocks saves: a gated MLP's
             multiply, ``x.gather(1, idx)`` on an MoE router's hidden state and index), bytes.
@@ -190,6 +193,7 @@ class BlockProfile:
     gap_bytes: int = 0
     pinned_bytes: int = 0
     pinned_out_bytes: int = 0
+    pinned_fwd_bytes: int = 0
     reused_bytes: int = 0
     unlinked_bytes: int = 0
     unsaved_input_bytes: int = 0
