@@ -52,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from remat._json import Reader
-from remat.blocks import Block, resolve
+from remat.blocks import Block, looped_hint, resolve
 from remat.core.runtime import suspended
 from remat.core.selective import OpKeys, op_name
 from remat.core.trace import call_loss, call_model, preserved
@@ -509,10 +509,11 @@ def _one_forward(
     finally:
         for h in handles:
             h.remove()
-    missing = [block_list[i].name for i, r in enumerate(rec.runs) if r is None]
+    missing = [block_list[i] for i, r in enumerate(rec.runs) if r is None]
     if missing:
         raise BlockSelectionError(
-            f"profile: block {missing[0]!r} did not run in the forward of {type(model).__name__}: the model skipped "
+            f"profile: block {missing[0].name!r} did not run in the forward of {type(model).__name__}: "
+            f"{looped_hint(model, missing[0])}the model skipped "
             "it (an early exit, layers skipped at random as with LayerDrop: HF's layerdrop / encoder_layerdrop, a "
             "child its layer calls only under an option or on some calls: x-transformers' optional projections "
             "with split=True, DPT's first fusion layer without its first residual layer) or called its forward "

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from remat._progress import progress as show_progress
-from remat.blocks import Block, fingerprint, resolve
+from remat.blocks import Block, fingerprint, looped_hint, resolve
 from remat.blocks import blocks as find_blocks
 from remat.core.ops import Keep, Op, Recompute, RecomputeOps
 from remat.core.probe import Event, Probe, probe, storages
@@ -425,7 +425,7 @@ def profile(
         ):
             trace = record_memory(it.step, dev)
         grad_events = _grad_events(trace, fresh)
-        _check_order(tracked.calls, tracked.order, block_list, tracked.backward_calls, tracked.no_grad)
+        _check_order(tracked.calls, tracked.order, block_list, tracked.backward_calls, tracked.no_grad, model)
         # Blocks that edit the previous block's output in place (NOTE [ In-place edits of a member's output ]).
         editing = {i for i in range(n) if tracked.edits_input[i] and tracked.edits_own_link[i]}
         pinned = _pinned(model, inputs, loss_fn, block_list, dev, editing)
@@ -954,7 +954,12 @@ def _count_flops(
 
 
 def _check_order(
-    calls: list[int], order: list[int], block_list: Sequence[Block], backward_calls: list[int], no_grad: list[bool]
+    calls: list[int],
+    order: list[int],
+    block_list: Sequence[Block],
+    backward_calls: list[int],
+    no_grad: list[bool],
+    model: nn.Module | None = None,
 ) -> None:
     again = [block_list[i].name for i, c in enumerate(backward_calls) if c]
     if again:
@@ -981,7 +986,8 @@ def _check_order(
             "remat.blocks(model, split=True) keep such layers whole (split=False, or named=[...] groups), "
             "otherwise choose the module that calls it"
             if runs > 1
-            else f"{name!r} did not run through its __call__: a model that calls a block's forward directly "
+            else f"{name!r} did not run through its __call__: "
+            f"{looped_hint(model, block_list[calls.index(0)]) if model is not None else ''}a model that calls a block's forward directly "
             "(layer.forward(x), as HF SqueezeBERT's encoder does) bypasses the module hooks the profile times it "
             "with: choose the module that calls it (include=...) or apply a strategy that needs no profile "
             "(remat.apply(model, remat.sqrt())); a model that skips layers at random (LayerDrop: HF's layerdrop / "
