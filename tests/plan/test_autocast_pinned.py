@@ -71,7 +71,6 @@ def test_autocast_casts_are_held_through_the_forward_only() -> None:
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     prof = remat.profile(model, x, loss_fn, repeats=1, progress=False)
-    assert all(b.pinned_fwd_bytes > 0 for b in prof.block_profiles)  # the casts, freed when the region exits
     plans = [remat.plan(prof, strategy=s) for s in ("full()", "every_nth(2)")]
     for plan in plans:
         measured = _check(model, x, plan, plain)

@@ -523,10 +523,11 @@ def _late_tables(
     return tuple(map(tuple, held)), tuple(map(tuple, replay))
 
 
-def _freed_inputs(profile: Profile) -> tuple[int, ...]:
-    """Per block, the bytes of its input the plain step frees right after it (``Chain.freed_input_bytes``)."""
+def _freed_inputs(profile: Profile, dropped_in: list[int] | None = None) -> tuple[int, ...]:
+    """Per block, the bytes of its input the plain step frees right after it (``Chain.freed_input_bytes``;
+    not an earlier block's dropped output, ``dropped_in``: see :func:`_dropped`)."""
     bps = profile.block_profiles
-    out = [max(0, -b.gap_bytes) for b in bps]
+    out = [max(0, -(b.gap_bytes + (dropped_in[i] if dropped_in else 0))) for i, b in enumerate(bps)]
     if len(bps) > 1 and profile.block_ops:
         # The last block's gap is the head's: its input, less what it saves of it (the op profile knows),
         # less the late inputs the head frees (Chain.late_held_bytes holds them through the replay too).
@@ -539,7 +540,7 @@ def _freed_inputs(profile: Profile) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _released(profile: Profile, joinable: tuple[bool, ...]) -> tuple[int, ...]:
+def _released(profile: Profile, joinable: tuple[bool, ...], dropped_in: list[int] | None = None) -> tuple[int, ...]:
     """Per block, the bytes its negative gap frees that no segment ending with it holds (``Chain.released_bytes``).
 
     A segment holds its blocks' inputs (the first block's, and those made between blocks), and the plain
@@ -556,8 +557,43 @@ def _released(profile: Profile, joinable: tuple[bool, ...]) -> tuple[int, ...]:
     out, unsaved = [], 0
     for i, (b, o) in enumerate(zip(bps, ops, strict=True)):
         unsaved = (unsaved if i and joinable[i - 1] else 0) + max(0, b.input_bytes - o.input_saved_bytes)
-        out.append(max(0, -b.gap_bytes - unsaved))
+        # Not an earlier block's dropped output (_dropped): the chain frees it right after that block.
+        out.append(max(0, -(b.gap_bytes + (dropped_in[i] if dropped_in else 0)) - unsaved))
     return tuple(out)
+
+
+def _dropped(bps: tuple[BlockProfile, ...]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """``(out, in, fp, bp)`` for the outputs the model's code drops in the forward
+    (``BlockProfile.dropped_output_frees``: HF's attention weights, alive until the next layer's call rebinds
+    ``outputs``). The chain frees them right after their block: per block, the bytes it no longer keeps or
+    hands on (``keep_bytes``, ``x_bytes``, ``out_free_bytes`` lowered: a segment ending with it never holds
+    them to its backward, nor a kept block); per gap, those bytes that it no longer frees (``gap_bytes``
+    raised); per block (the head last), what its forward runs above the level the chain tracks while the
+    output is still alive in the plain step (``fwd_peak_bytes`` raised); and per block, how much lower than
+    measured the level is at its backward (``bwd_peak_bytes`` raised: the same absolute peak where it is kept).
+    Without this, four layers returning such an output predicted full() at 2.4x its measured peak, and
+    BudgetInfeasibleError stated a smallest feasible peak above what full() reached."""
+    n = len(bps)
+    out, into, fp, bp = [0] * n, [0] * n, [0] * (n + 1), [0] * n
+    for k, b in enumerate(bps):
+        # At most what the block does not save of its outputs (out_free_bytes): a replay ending with it holds
+        # the rest whatever the plain step frees (a SiLU(inplace=True) output the head copies and drops).
+        room = max(0, min(b.output_bytes, b.own_output_bytes) - b.output_saved_bytes)
+        for after, size in b.dropped_output_frees:
+            nbytes = min(size, room)
+            if nbytes <= 0 or not k <= after < n or (after == k and k < n - 1):
+                continue
+            room -= nbytes
+            out[k] += nbytes
+            if after < n - 1:
+                into[after] += nbytes  # freed in that gap: the chain freed it already
+            for q in range(k + 1, after + 1):
+                fp[q] += nbytes
+            for q in range(k, after if after < n - 1 else n):
+                bp[q] += nbytes  # alive after these blocks' gaps in the plain step (the head's: to the end)
+            if after == n - 1:
+                fp[n] += nbytes  # freed in the head
+    return out, into, fp, bp
 
 
 def _passes_through(bp: BlockProfile) -> bool:
@@ -585,9 +621,10 @@ def chain_of(profile: Profile) -> Chain:
     # Chain.startable), and what it leaves is the previous block's own output (NOTE [ In-place edits of a
     # member's output ] in remat.core.runtime).
     carries = [_passes_through(b) and b.edits_own_link for b in bps]
+    drop_out, drop_in, drop_fp, drop_bp = _dropped(bps)
     handed: list[int] = []
     for i, b in enumerate(bps):
-        handed.append(handed[-1] if carries[i] and i else b.own_output_bytes)
+        handed.append(handed[-1] if carries[i] and i else b.own_output_bytes - drop_out[i])
     joinable = tuple(
         i + 1 >= len(bps)
         or (
@@ -604,22 +641,29 @@ def chain_of(profile: Profile) -> Chain:
         bwd_ms=tuple(b.bwd_ms for b in bps) + (0.0,),
         # What a segment ending before block k leaves: block k-1's own output (arguments every block
         # receives, a mask, rotary tables, are held before block 0 and counted once, in base_bytes).
-        x_bytes=(bps[0].input_bytes, *handed[:-1], profile.head_input_bytes),
-        keep_bytes=tuple(b.keep_bytes for b in bps) + (0,),
+        # Less what the model's code drops later in the forward (_dropped: HF's attention weights).
+        x_bytes=(bps[0].input_bytes, *handed[:-1], max(0, profile.head_input_bytes - drop_out[-1])),
+        keep_bytes=tuple(b.keep_bytes - drop_out[i] for i, b in enumerate(bps)) + (0,),
         # A transient of the code before block k (gap_peak_bytes of block k-1, above the level at k-1's
         # end, so less g[k-1] above the level at k's start) is charged as part of block k's forward peak
         # where the gap's code runs: the plain forward, and a segment's no-save forward over its blocks.
-        fwd_peak_bytes=tuple(max(b.fwd_peak_bytes, _gap_rise(bps[i - 1]) if i > 0 else 0) for i, b in enumerate(bps))
-        + (profile.head_peak_bytes,),
+        fwd_peak_bytes=tuple(
+            max(b.fwd_peak_bytes, _gap_rise(bps[i - 1]) if i > 0 else 0) + drop_fp[i] for i, b in enumerate(bps)
+        )
+        + (profile.head_peak_bytes + drop_fp[-1],),
         # A replay runs the recorded blocks, not the code between them: its blocks peak as their own
         # forwards (charging the gap's rise there too predicted a plan recomputing the block after a wide
         # temporary at 1.41x its measured peak, and refused budgets remat's own full() plan met).
-        replay_fwd_peak_bytes=tuple(b.fwd_peak_bytes for b in bps) + (profile.head_peak_bytes,),
+        # An earlier block's dropped output is alive there too where that block is replayed with it (the
+        # replay holds its outputs to its end; on the safe side where it is not: R[0:3](K0 K1 K2) over layers
+        # returning attention weights measured 1.07x its prediction without).
+        replay_fwd_peak_bytes=tuple(b.fwd_peak_bytes + drop_fp[i] for i, b in enumerate(bps))
+        + (profile.head_peak_bytes,),
         # Measured against the level at the end of the block's forward, which still holds the input the
         # plain step frees right after it (freed_input_bytes): the simulator charges bp from the level
         # after that gap, so the freed input is added back (else an autocast block's backward peak is
         # predicted that much too low wherever it is the step's peak).
-        bwd_peak_bytes=tuple(b.bwd_peak_bytes + max(0, -b.gap_bytes) for b in bps) + (0,),
+        bwd_peak_bytes=tuple(b.bwd_peak_bytes + max(0, -b.gap_bytes) + drop_bp[i] for i, b in enumerate(bps)) + (0,),
         base_bytes=profile.base_bytes,
         pre_peak_bytes=profile.pre_peak_bytes,
         # After block 0's backward nothing depends on the plan: the rest of the backward, then the
@@ -628,14 +672,15 @@ def chain_of(profile: Profile) -> Chain:
         # Only the block's own outputs: an input it passes through (T5's position bias, returned with the
         # hidden state) is the segment's input, which the checkpoint holds (at most own - own saved).
         out_free_bytes=tuple(
-            max(0, min(b.output_bytes - b.output_saved_bytes, b.own_output_bytes - b.output_saved_bytes)) for b in bps
+            max(0, min(b.output_bytes - b.output_saved_bytes, b.own_output_bytes - b.output_saved_bytes)) - drop_out[i]
+            for i, b in enumerate(bps)
         )
         + (0,),
         ckpt_fwd_ms=tuple(max(b.ckpt_fwd_ms, b.fwd_ms) for b in bps) + (profile.head_ms,),
         ckpt_call_ms=profile.ckpt_call_ms,
         stop_ms=tuple(b.stop_ms for b in bps) + (0.0,),
         ckpt_state_bytes=profile.ckpt_state_bytes,
-        gap_bytes=tuple(b.gap_bytes for b in bps) + (0,),
+        gap_bytes=tuple(b.gap_bytes + drop_in[i] for i, b in enumerate(bps)) + (0,),
         pinned_bytes=tuple(b.pinned_bytes for b in bps) + (0,),
         pinned_fwd_bytes=tuple(min(b.pinned_fwd_bytes, b.pinned_bytes) for b in bps) + (0,),
         pinned_out_bytes=tuple(b.pinned_out_bytes for b in bps) + (0,),
@@ -643,10 +688,10 @@ def chain_of(profile: Profile) -> Chain:
         unlinked_bytes=tuple(b.unlinked_bytes for b in bps) + (0,),
         unsaved_input_bytes=tuple(b.unsaved_input_bytes for b in bps) + (0,),
         generator_state_bytes=tuple(b.generator_state_bytes for b in bps) + (0,),
-        freed_input_bytes=_freed_inputs(profile) + (0,),
+        freed_input_bytes=_freed_inputs(profile, drop_in) + (0,),
         gap_freed_input_bytes=tuple(b.gap_freed_input_bytes for b in bps) + (0,),
         gap_freed_output_bytes=tuple(b.gap_freed_output_bytes for b in bps) + (0,),
-        released_bytes=_released(profile, joinable) + (0,),
+        released_bytes=_released(profile, joinable, drop_in) + (0,),
         pending_grad_bytes=tuple(b.pending_grad_bytes for b in bps) + (0,),
         rng_copy_bytes=tuple(profile.ckpt_state_bytes if b.fresh_rng else 0 for b in bps) + (0,),
         # A block the backward does not reach (BlockProfile.backward) frees what it saves with its graph, not

@@ -423,7 +423,8 @@ def profile(
             probe(model, block_list, lambda kind, i: mark(f"{kind}{i}"), track=True) as tracked,
             _grad_marks(model) as fresh,
         ):
-            trace = record_memory(it.step, dev)
+            # The "loss" mark: where the backward starts (_dropped_outputs), before the head's backward.
+            trace = record_memory(lambda: it.step(_loss_marked(it.loss_fn)), dev)
         grad_events = _grad_events(trace, fresh)
         _check_order(tracked.calls, tracked.order, block_list, tracked.backward_calls, tracked.no_grad, model)
         # Blocks that edit the previous block's output in place (NOTE [ In-place edits of a member's output ]).
@@ -499,12 +500,14 @@ def profile(
     prof = replace(prof, loop=it.loop, block_ops=block_ops, late_inputs=_late_inputs(trace, tracked, n))
     gap_freed = _gap_freed_inputs(trace, tracked, n)
     gap_freed_out = _gap_freed_outputs(trace, tracked, n)
+    dropped = _dropped_outputs(trace, tracked, n)
     bps = tuple(
         replace(
             bp,
             gap_bytes=gaps[i],
             gap_freed_input_bytes=gap_freed[i],
             gap_freed_output_bytes=gap_freed_out[i],
+            dropped_output_frees=dropped[i],
             pinned_bytes=pinned[i][0],
             pinned_fwd_bytes=pinned[i][3],
             pinned_out_bytes=pinned[i][1],
@@ -637,13 +640,27 @@ def _pinned(
     def alive_at(t_alloc: int, t_free: int | None, t: int) -> bool:
         return t_alloc <= t and (t_free is None or t_free > t)
 
+    # NOTE [ Alive after the call returns ]: a block's post hook runs inside its call, before the caller
+    # rebinds what it returned: `outputs = layer(h); h = outputs[0]` frees the previous layer's side outputs
+    # (HF attention weights the model discards) only once this call has returned. What the caller still
+    # holds is read at the first allocation after the marker (the code that goes on), else at the loss:
+    # a tensor freed by that rebinding lived while the next block ran, not past it (every layer returning
+    # such an output made each one reused and the last but one pinned: not a chain, segments charged with
+    # a side output they never held, full() predicted 2.4x its measured peak).
+    alloc_times = sorted(a[2] for a in allocs)
+
+    def returned(t: int) -> int:
+        k = bisect_right(alloc_times, t)
+        return min(alloc_times[k], t_loss) if k < len(alloc_times) else t_loss
+
+    t_after_end = returned(t_end)
     spans = [(times.get(f"P{i}", -1), times.get(f"p{i}", -1)) for i in range(n)]
     result = [[0, 0, 0, 0] for _ in block_list]
     for ptr, size, t, t_free in allocs:
         owner = next((i for i, (a, b) in enumerate(spans) if a <= t <= b), None)
         if owner is None:
             continue
-        if alive_at(t, t_free, t_end) and (ptr not in last_inputs or alive_at(t, t_free, t_loss)):
+        if alive_at(t, t_free, t_after_end) and (ptr not in last_inputs or alive_at(t, t_free, t_loss)):
             # Alive at the end of the last block's forward: held at least through the chain's forward,
             # where its peak usually is (a list of hidden states freed when the model returns counts).
             # The last block's input is alive then anyway (the model's code still refers to it): it
@@ -655,7 +672,7 @@ def _pinned(
             owner + 1 < n
             and ptr in outs[owner]
             and alive_at(t, t_free, spans[owner][1])
-            and alive_at(t, t_free, spans[owner + 1][1])
+            and alive_at(t, t_free, returned(spans[owner + 1][1]))
             and (
                 ptr not in ins[owner + 1]
                 or any(ptr in ins[j] and alive_at(t, t_free, spans[j][0]) for j in range(owner + 2, n))
@@ -811,6 +828,64 @@ def _gap_freed_outputs(trace: MemoryTrace, tracked: Probe, n: int) -> list[int]:
             span = next((lt for lt in lives.get(ptr, ()) if start <= lt[0] <= end < lt[1]), None)
             if span is not None and span[1] <= after:
                 out[i] += size
+    return out
+
+
+def _loss_marked(loss_fn: Callable[[Any], torch.Tensor]) -> Callable[[Any], torch.Tensor]:
+    """``loss_fn`` with a ``"loss"`` mark once the loss is made: the backward starts there."""
+
+    def marked(out: Any) -> torch.Tensor:
+        loss = loss_fn(out)
+        mark("loss")
+        return loss
+
+    return marked
+
+
+def _dropped_outputs(trace: MemoryTrace, tracked: Probe, n: int) -> list[tuple[tuple[int, int], ...]]:
+    """Per block, ``(after, bytes)`` of its own outputs that no later block takes and that the forward frees in
+    the code after a later block ``after`` (its gap; the head's, ``n - 1``, for the last blocks), before the
+    backward starts (``BlockProfile.dropped_output_frees``; those its own gap frees are
+    ``gap_freed_output_bytes``).
+
+    HF layers return ``(hidden, attn_weights)`` and the model keeps the tuple in ``outputs`` until the next
+    layer's call rebinds it: the side output lives through the next block's forward and is freed in its gap,
+    never reaching the backward. The chain charged it as the segment's output, held to its backward (full()
+    on four such layers predicted 2.4x its measured peak; BudgetInfeasibleError stated a smallest feasible
+    peak above what full() reached). By allocation lifetimes: made in the block's forward, alive at its end.
+    """
+    marks = {name: ts[0] for name, ts in trace.mark_times().items()}
+    starts = [marks.get(f"{Event.FORWARD}{i}") for i in range(n)]
+    ends = [marks.get(f"{Event.FORWARD_END}{i}") for i in range(n)]
+    if not trace.ptrs or any(t is None for t in (*starts, *ends)):
+        return [()] * n
+    if "loss" not in marks:
+        return [()] * n
+    backward = marks["loss"]  # not the last block's backward: the head's own backward frees what it saved first
+    lives = trace.lifetimes()
+    out: list[tuple[tuple[int, int], ...]] = []
+    for k in range(n):
+        f0, f1 = int(starts[k]), int(ends[k])  # type: ignore[arg-type]
+        later = {ptr for j in range(k + 1, n) for ptr in tracked.inputs[j]}
+        frees: dict[int, int] = {}
+        for ptr, size in tracked.outputs[k].items():
+            if ptr in tracked.inputs[k] or ptr in later:
+                continue  # passed through, or a later block's input (x_bytes of the chain)
+            span = next((lt for lt in lives.get(ptr, ()) if f0 <= lt[0] <= f1 < lt[1]), None)
+            if span is None or span[1] > backward:
+                continue
+            # The code after block j: from its forward's end to the next block's start (the head's: to the backward).
+            after = next(
+                (
+                    j
+                    for j in range(k + 1, n)
+                    if int(ends[j]) < span[1] <= (int(starts[j + 1]) if j + 1 < n else backward)  # type: ignore[arg-type]
+                ),
+                n - 1 if k == n - 1 and f1 < span[1] <= backward else None,
+            )
+            if after is not None:
+                frees[after] = frees.get(after, 0) + size
+        out.append(tuple(sorted(frees.items())))
     return out
 
 

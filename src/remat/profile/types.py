@@ -122,6 +122,11 @@ class BlockProfile:
         gap_freed_output_bytes: Bytes of its own outputs that the code after it frees before the next block
             starts (by allocation lifetimes; 0 for the last block, and where the next block takes them): a
             segment going on past the block never held them, so it holds that much more of the gap.
+        dropped_output_frees: ``(after, bytes)`` of its own outputs that no later block takes and that the
+            model's code drops later in the forward (HF's ``outputs = layer(h); h = outputs[0]``: the attention
+            weights live until the next call rebinds ``outputs``): freed in the code after block ``after``'s
+            forward (a later block's gap; the head's, ``after`` the last block), before the backward. Never held
+            to the backward, by a segment either (``chain_of`` charges them to the forwards they span).
         pinned_bytes: Bytes allocated in its forward, its outputs excluded, that stay alive when
             autograd saves nothing inside the blocks (held by the model or a hook), bytes.
         pinned_fwd_bytes: The part of ``pinned_bytes`` freed before the loss (NOTE [ Pinned through the forward
@@ -211,6 +216,7 @@ class BlockProfile:
     backward: bool = True
     held_input_bwd_bytes: int = 0
     gap_peak_bytes: int = 0
+    dropped_output_frees: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.own_output_bytes < 0:  # profiles written before the field existed
