@@ -1,0 +1,40 @@
+"""A few seeds of ``benchmarks/fuzz.py``, the random-model fuzzer: random chains of blocks (attention,
+convolutions, BatchNorm, in-place activations, dropout, skips, keyword arguments, auxiliary outputs)
+under plans at several budgets, ``full()`` and ``sqrt()``, whole and split blocks. Each cell compares
+every gradient and buffer with the plain step (``torch.equal``), the measured peak with the budget, and
+the model after ``remove`` with the one before ``apply``."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.benchmark_scripts import load
+
+fuzz = load("fuzz")
+
+# What must never happen; "bug:prediction" (a strategy's peak outside +-5% of its prediction, no
+# budget involved) is reported by the fuzzer but not failed here: full() and sqrt() are predicted on
+# the safe side by up to 15% on small random models (one RNG state charged per segment).
+NEVER = {
+    "bug:exception",
+    "bug:grad",
+    "bug:buffers",
+    "bug:state",
+    "bug:rng",
+    "bug:remove",
+    "bug:over_budget",
+    "bug:budget",
+}
+
+
+# 104, 134, 180 and 696 measured 1.05-1.12x their smallest budget on the code before stop 27 (a closing
+# SiLU(inplace=True), an auxiliary layer left to the head); the others are the first seeds of a clean run.
+SEEDS = (104, 134, 180, 696, *range(600, 612))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_random_model_is_exact_and_within_its_budgets(seed: int) -> None:
+    cells = fuzz.run_seed(seed)
+    bad = [f"{c['cell']}: {c['cls']}: {c['msg'][:300]}" for c in cells if c["cls"] in NEVER]
+    assert not bad, "\n".join(bad)
+    assert any(c["cls"] == "ok" for c in cells) or all(c["cls"] == "skip" for c in cells)
