@@ -868,6 +868,12 @@ def _dropped_outputs(trace: MemoryTrace, tracked: Probe, n: int) -> list[tuple[t
         f0, f1 = int(starts[k]), int(ends[k])  # type: ignore[arg-type]
         later = {ptr for j in range(k + 1, n) for ptr in tracked.inputs[j]}
         frees: dict[int, int] = {}
+        if k + 1 < n and not any(ptr in later for ptr in tracked.outputs[k]):
+            # No output the next blocks take: what it returns is the model code's to use (a split layer's
+            # dropout output held across the next children for `x + a + mlp(...)`), not a side output
+            # dropped next to the hidden state the chain goes on with.
+            out.append(())
+            continue
         for ptr, size in tracked.outputs[k].items():
             if ptr in tracked.inputs[k] or ptr in later:
                 continue  # passed through, or a later block's input (x_bytes of the chain)
