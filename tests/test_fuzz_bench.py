@@ -27,9 +27,10 @@ NEVER = {
 }
 
 
-# 104, 134, 180 and 696 measured 1.05-1.12x their smallest budget on the code before stop 27 (a closing
-# SiLU(inplace=True), an auxiliary layer left to the head); the others are the first seeds of a clean run.
-SEEDS = (104, 134, 180, 696, *range(600, 612))
+# 104, 134, 180, 213, 358, 696 and 807 measured 1.05-1.15x their smallest budget on the code before stop 27
+# (a closing SiLU(inplace=True), an auxiliary layer left to the head, a dropped branch's saved tensors);
+# the others are the first seeds of a clean run. Still over: 124, 361 and 808 (README, Known limits).
+SEEDS = (104, 134, 180, 213, 358, 696, 807, *range(600, 612))
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -264,6 +264,15 @@ class Chain:
     # recorded blocks only (NOTE [ Spans ] in remat.core.runtime), fwd_peak_bytes without the gap's rise
     # (default fwd_peak_bytes).
     replay_fwd_peak_bytes: tuple[int, ...] = ()
+    # ``(block, after, bytes, late)`` of the dead branches chain_of frees right after their block (_dropped
+    # with dead=True, BlockProfile.dead_saved_frees), which fwd_peak_bytes and replay_fwd_peak_bytes charge to
+    # the forwards of blocks ``block+1..after`` (and the head's where ``after`` is the last block): they exist
+    # only where ``block`` runs kept in the same forward (the step's, or the same replay), so the simulator
+    # takes them off where it is not (recomputed there, or not replayed with them); the solvers charge them
+    # always, on the safe side (default none). The head's measured peak nets the free of a branch it frees
+    # before its peak, which does not happen either where the branch never existed: there it takes off
+    # ``late`` only, what the head frees after its peak (BlockProfile.dead_head_late_bytes).
+    dead_branches: tuple[tuple[int, int, int, int], ...] = ()
     # Derived in __post_init__: n, and prefix sums over the blocks for segment_bytes.
     _n: int = field(init=False, repr=False, compare=False)
     _inside: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -315,7 +324,9 @@ class Chain:
         sizes = {
             f.name: len(v)
             for f in fields(self)
-            if f.init and f.name != "late_inputs" and isinstance(v := getattr(self, f.name), tuple)
+            if f.init
+            and f.name not in ("late_inputs", "dead_branches")
+            and isinstance(v := getattr(self, f.name), tuple)
         }
         if len(set(sizes.values())) != 1 or next(iter(sizes.values())) < 1:
             raise RematError(f"chain: per-block tuples must all have n + 1 >= 1 entries (the head last); got {sizes}")
@@ -562,7 +573,7 @@ def _released(profile: Profile, joinable: tuple[bool, ...], dropped_in: list[int
     return tuple(out)
 
 
-def _dropped(bps: tuple[BlockProfile, ...]) -> tuple[list[int], list[int], list[int], list[int]]:
+def _dropped(bps: tuple[BlockProfile, ...], dead: bool = False) -> tuple[list[int], list[int], list[int], list[int]]:
     """``(out, in, fp, bp)`` for the outputs the model's code drops in the forward
     (``BlockProfile.dropped_output_frees``: HF's attention weights, alive until the next layer's call rebinds
     ``outputs``). The chain frees them right after their block: per block, the bytes it no longer keeps or
@@ -572,14 +583,19 @@ def _dropped(bps: tuple[BlockProfile, ...]) -> tuple[list[int], list[int], list[
     output is still alive in the plain step (``fwd_peak_bytes`` raised); and per block, how much lower than
     measured the level is at its backward (``bwd_peak_bytes`` raised: the same absolute peak where it is kept).
     Without this, four layers returning such an output predicted full() at 2.4x its measured peak, and
-    BudgetInfeasibleError stated a smallest feasible peak above what full() reached."""
+    BudgetInfeasibleError stated a smallest feasible peak above what full() reached. ``dead``: the same for
+    what the block saved for such an output (``BlockProfile.dead_saved_frees``; no output of its own, so not
+    bounded by what it does not save of its outputs; a kept later block credited its free again, h72's
+    dead-output repro measured 1.15x its budget)."""
     n = len(bps)
     out, into, fp, bp = [0] * n, [0] * n, [0] * (n + 1), [0] * n
     for k, b in enumerate(bps):
         # At most what the block does not save of its outputs (out_free_bytes): a replay ending with it holds
         # the rest whatever the plain step frees (a SiLU(inplace=True) output the head copies and drops).
         room = max(0, min(b.output_bytes, b.own_output_bytes) - b.output_saved_bytes)
-        for after, size in b.dropped_output_frees:
+        if dead:
+            room = sum(size for _, size in b.dead_saved_frees)
+        for after, size in b.dead_saved_frees if dead else b.dropped_output_frees:
             nbytes = min(size, room)
             if nbytes <= 0 or not k <= after < n or (after == k and k < n - 1):
                 continue
@@ -594,6 +610,22 @@ def _dropped(bps: tuple[BlockProfile, ...]) -> tuple[list[int], list[int], list[
             if after == n - 1:
                 fp[n] += nbytes  # freed in the head
     return out, into, fp, bp
+
+
+def _dead_branches(bps: tuple[BlockProfile, ...]) -> tuple[tuple[int, int, int, int], ...]:
+    """``(block, after, bytes, late)`` of each dead branch ``_dropped(bps, dead=True)`` credits
+    (``Chain.dead_branches``); ``late``: of those the head frees, what it frees after its peak
+    (``BlockProfile.dead_head_late_bytes``), at most ``bytes``."""
+    n = len(bps)
+    out = []
+    for k, b in enumerate(bps):
+        late = b.dead_head_late_bytes
+        for after, size in b.dead_saved_frees:
+            if size > 0 and k <= after < n and not (after == k and k < n - 1):
+                part = min(size, late) if after == n - 1 else 0
+                late -= part
+                out.append((k, after, size, part))
+    return tuple(out)
 
 
 def _passes_through(bp: BlockProfile) -> bool:
@@ -622,6 +654,10 @@ def chain_of(profile: Profile) -> Chain:
     # member's output ] in remat.core.runtime).
     carries = [_passes_through(b) and b.edits_own_link for b in bps]
     drop_out, drop_in, drop_fp, drop_bp = _dropped(bps)
+    # What a block saved for a branch the model's code drops later (BlockProfile.dead_saved_frees): freed by the
+    # chain right after the block as a dropped output is, but no output (x_bytes, out_free_bytes unchanged).
+    dead_out, dead_in, dead_fp, dead_bp = _dropped(bps, dead=True)
+    gap_in = [a + b for a, b in zip(drop_in, dead_in, strict=True)]
     handed: list[int] = []
     for i, b in enumerate(bps):
         handed.append(handed[-1] if carries[i] and i else b.own_output_bytes - drop_out[i])
@@ -643,27 +679,32 @@ def chain_of(profile: Profile) -> Chain:
         # receives, a mask, rotary tables, are held before block 0 and counted once, in base_bytes).
         # Less what the model's code drops later in the forward (_dropped: HF's attention weights).
         x_bytes=(bps[0].input_bytes, *handed[:-1], max(0, profile.head_input_bytes - drop_out[-1])),
-        keep_bytes=tuple(b.keep_bytes - drop_out[i] for i, b in enumerate(bps)) + (0,),
+        keep_bytes=tuple(b.keep_bytes - drop_out[i] - dead_out[i] for i, b in enumerate(bps)) + (0,),
         # A transient of the code before block k (gap_peak_bytes of block k-1, above the level at k-1's
         # end, so less g[k-1] above the level at k's start) is charged as part of block k's forward peak
         # where the gap's code runs: the plain forward, and a segment's no-save forward over its blocks.
         fwd_peak_bytes=tuple(
-            max(b.fwd_peak_bytes, _gap_rise(bps[i - 1]) if i > 0 else 0) + drop_fp[i] for i, b in enumerate(bps)
+            max(b.fwd_peak_bytes, _gap_rise(bps[i - 1]) if i > 0 else 0) + drop_fp[i] + dead_fp[i]
+            for i, b in enumerate(bps)
         )
-        + (profile.head_peak_bytes + drop_fp[-1],),
+        + (profile.head_peak_bytes + drop_fp[-1] + dead_fp[-1],),
         # A replay runs the recorded blocks, not the code between them: its blocks peak as their own
         # forwards (charging the gap's rise there too predicted a plan recomputing the block after a wide
         # temporary at 1.41x its measured peak, and refused budgets remat's own full() plan met).
         # An earlier block's dropped output is alive there too where that block is replayed with it (the
         # replay holds its outputs to its end; on the safe side where it is not: R[0:3](K0 K1 K2) over layers
         # returning attention weights measured 1.07x its prediction without).
-        replay_fwd_peak_bytes=tuple(b.fwd_peak_bytes + drop_fp[i] for i, b in enumerate(bps))
+        # So is an earlier replayed block's dead branch (dead_saved_frees): no gap runs to drop it.
+        replay_fwd_peak_bytes=tuple(b.fwd_peak_bytes + drop_fp[i] + dead_fp[i] for i, b in enumerate(bps))
         + (profile.head_peak_bytes,),
         # Measured against the level at the end of the block's forward, which still holds the input the
         # plain step frees right after it (freed_input_bytes): the simulator charges bp from the level
         # after that gap, so the freed input is added back (else an autocast block's backward peak is
         # predicted that much too low wherever it is the step's peak).
-        bwd_peak_bytes=tuple(b.bwd_peak_bytes + max(0, -b.gap_bytes) + drop_bp[i] for i, b in enumerate(bps)) + (0,),
+        bwd_peak_bytes=tuple(
+            b.bwd_peak_bytes + max(0, -b.gap_bytes) + drop_bp[i] + dead_bp[i] for i, b in enumerate(bps)
+        )
+        + (0,),
         base_bytes=profile.base_bytes,
         pre_peak_bytes=profile.pre_peak_bytes,
         # After block 0's backward nothing depends on the plan: the rest of the backward, then the
@@ -680,7 +721,7 @@ def chain_of(profile: Profile) -> Chain:
         ckpt_call_ms=profile.ckpt_call_ms,
         stop_ms=tuple(b.stop_ms for b in bps) + (0.0,),
         ckpt_state_bytes=profile.ckpt_state_bytes,
-        gap_bytes=tuple(b.gap_bytes + drop_in[i] for i, b in enumerate(bps)) + (0,),
+        gap_bytes=tuple(b.gap_bytes + gap_in[i] for i, b in enumerate(bps)) + (0,),
         pinned_bytes=tuple(b.pinned_bytes for b in bps) + (0,),
         pinned_fwd_bytes=tuple(min(b.pinned_fwd_bytes, b.pinned_bytes) for b in bps) + (0,),
         pinned_out_bytes=tuple(b.pinned_out_bytes for b in bps) + (0,),
@@ -688,11 +729,26 @@ def chain_of(profile: Profile) -> Chain:
         unlinked_bytes=tuple(b.unlinked_bytes for b in bps) + (0,),
         unsaved_input_bytes=tuple(b.unsaved_input_bytes for b in bps) + (0,),
         generator_state_bytes=tuple(b.generator_state_bytes for b in bps) + (0,),
-        freed_input_bytes=_freed_inputs(profile, drop_in) + (0,),
+        # Nor an earlier block's dead branch (the replay charges it where it holds one: Chain.dead_branches).
+        freed_input_bytes=_freed_inputs(profile, gap_in) + (0,),
         gap_freed_input_bytes=tuple(b.gap_freed_input_bytes for b in bps) + (0,),
         gap_freed_output_bytes=tuple(b.gap_freed_output_bytes for b in bps) + (0,),
-        released_bytes=_released(profile, joinable, drop_in) + (0,),
-        pending_grad_bytes=tuple(b.pending_grad_bytes for b in bps) + (0,),
+        released_bytes=_released(profile, joinable, gap_in) + (0,),
+        dead_branches=_dead_branches(bps),
+        # Where a dead branch is alive after a block's forward, the level the chain tracks at its backward's
+        # start lacks what it booked as freed right after the block (or an earlier one) that the plain step
+        # frees later in the forward (_dropped: dead branches, and the dropped outputs beside them); the real
+        # level there is the measured one, which may hold what the head keeps (its saved input, the gradient
+        # of the last block's output) above the chain's level: a segment ending with the block replays above
+        # it (R[0:4](K0 K1 K2 K3) over layers returning an aux output the model drops measured 1.20x its
+        # prediction without).
+        pending_grad_bytes=tuple(
+            max(b.pending_grad_bytes, b.bwd_level_bytes + gap_in[i] + drop_bp[i] + dead_bp[i])
+            if b.bwd_level_bytes is not None and (dead_in[i] or dead_bp[i])
+            else b.pending_grad_bytes
+            for i, b in enumerate(bps)
+        )
+        + (0,),
         rng_copy_bytes=tuple(profile.ckpt_state_bytes if b.fresh_rng else 0 for b in bps) + (0,),
         # A block the backward does not reach (BlockProfile.backward) frees what it saves with its graph, not
         # in a backward: recomputing it saves nothing the model above can count, so it is kept.

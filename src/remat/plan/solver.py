@@ -270,6 +270,9 @@ class _Simulator:
         self.held_credit: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.level = chain.base_bytes
         self.peak = chain.base_bytes
+        # The blocks kept so far in the forward running now (the step's, or one replay's): the dead branches
+        # of the others do not exist (Chain.dead_branches).
+        self.kept_run: set[int] = set()
         self.extra_ms = 0.0
         # Late inputs (Chain.late_inputs) that an open checkpoint holds from its end: one tensor, charged
         # once, by the first (Chain.late_records); per checkpoint: the bytes it charged, and which.
@@ -332,7 +335,13 @@ class _Simulator:
                     if q > op.start
                     else 0
                 )
-                self._rise(c.ckpt_state_bytes + fwd_peaks[q] + (c.x_bytes[q] if q > op.start else 0) + held)
+                self._rise(
+                    c.ckpt_state_bytes
+                    + fwd_peaks[q]
+                    - self._absent_dead(q)
+                    + (c.x_bytes[q] if q > op.start else 0)
+                    + held
+                )
                 # The no-save run costs ckpt_fwd_ms; the plain forward counted once is then not run.
                 self.extra_ms += float(c.ckpt_fwd_ms[q]) - (0.0 if replay else float(c.fwd_ms[q]))
             late = self._late(op)
@@ -347,10 +356,22 @@ class _Simulator:
                 self.fwd_only[id(op)] = fwd_only
             return
         keep, fwd_peak, _ = self._block_sizes(op, replay)
-        self._rise(fwd_peak)
+        self._rise(fwd_peak - self._absent_dead(op.index))
+        self.kept_run.add(op.index)
         self.level += keep - discard - self._open_held(op)
         if replay:
             self.extra_ms += float(c.fwd_ms[op.index])
+
+    def _absent_dead(self, q: int) -> int:
+        """The part of block ``q``'s forward peak (the head's for ``q = n``) owed to dead branches of blocks not
+        kept in the forward running now (``Chain.dead_branches``: charged by ``fwd_peak_bytes`` and
+        ``replay_fwd_peak_bytes`` as if they were), bytes."""
+        n = self.chain.n
+        return sum(
+            (late if q == n else nbytes)
+            for block, after, nbytes, late in self.chain.dead_branches
+            if block < q and (q <= after or (q == n and after == n - 1)) and block not in self.kept_run
+        )
 
     def _open_held(self, op: Op) -> int:
         """Open ``op``'s sub-module checkpoints: the bytes of their held inputs that an open one holds already."""
@@ -390,6 +411,7 @@ class _Simulator:
             first = 0 if isinstance(op.inner[0], Recompute) else self.chain.replay_input_bytes(op.start)
             pending = self.chain.replay_above_bytes(op.stop - 1)  # and the RNG state its replay forks
             self.level += hold + pending  # the replay runs when the backward reaches the last block
+            outer_kept, self.kept_run = self.kept_run, set()  # a replay keeps its own blocks only
             for i, inner_op in enumerate(op.inner):
                 self.forward(inner_op, replay=True, discard=freed if i == last else 0)
                 if i == 0:
@@ -399,6 +421,7 @@ class _Simulator:
             self.extra_ms -= float(self.chain.stop_ms[op.stop - 1])
             for i in range(last, -1, -1):
                 self.backward(op.inner[i], discard=freed if i == last else 0)
+            self.kept_run = outer_kept
             self.level -= hold + first
             self.level -= self.chain.segment_bytes(op.start, op.stop) - self.chain.late_held_bytes(op.start, op.stop)
             # What it held through the forward only left at the head (top level) or was never held (replay).
@@ -419,7 +442,7 @@ class _Simulator:
         c, n = self.chain, self.chain.n
         extra = c.head_freed_bytes(last.start) if isinstance(last, Recompute) else 0
         self.level += extra
-        self._rise(c.fwd_peak_bytes[n])
+        self._rise(c.fwd_peak_bytes[n] - self._absent_dead(n))
         self.level += c.keep_bytes[n]
         self._rise(c.bwd_peak_bytes[n])
         self.level -= c.keep_bytes[n]

@@ -501,6 +501,7 @@ def profile(
     gap_freed = _gap_freed_inputs(trace, tracked, n)
     gap_freed_out = _gap_freed_outputs(trace, tracked, n)
     dropped = _dropped_outputs(trace, tracked, n)
+    dead, dead_late = _dead_saved(trace, tracked, n)
     bps = tuple(
         replace(
             bp,
@@ -508,6 +509,8 @@ def profile(
             gap_freed_input_bytes=gap_freed[i],
             gap_freed_output_bytes=gap_freed_out[i],
             dropped_output_frees=dropped[i],
+            dead_saved_frees=dead[i],
+            dead_head_late_bytes=dead_late[i],
             pinned_bytes=pinned[i][0],
             pinned_fwd_bytes=pinned[i][3],
             pinned_out_bytes=pinned[i][1],
@@ -895,6 +898,62 @@ def _dropped_outputs(trace: MemoryTrace, tracked: Probe, n: int) -> list[tuple[t
     return out
 
 
+def _dead_saved(trace: MemoryTrace, tracked: Probe, n: int) -> tuple[list[tuple[tuple[int, int], ...]], list[int]]:
+    """Per block, ``(after, bytes)`` of what autograd saved in its forward (not its inputs or outputs) that the
+    forward frees in the code after a later block ``after`` (its gap; the head's, ``n - 1``, for the last
+    blocks), not in the block's own gap (``BlockProfile.dead_saved_frees``).
+
+    A block returning ``(h, aux)`` whose ``aux`` the model's code drops (``h, aux = layer(h)``, ``aux`` unused)
+    keeps what the aux branch saved until the next call rebinds ``aux``: the plain step frees it in the next
+    block's gap, whose ``gap_bytes`` nets the free, while a plan recomputing the block never saved it, and a
+    kept later block credited that free once more (h72's dead-output repro: 1.15x its budget). The branch's
+    output itself is ``dropped_output_frees``. By allocation lifetimes, as :func:`_dropped_outputs`.
+
+    Also, per block, the part of what the head frees (``after = n - 1``) that it frees once its peak is
+    reached (``BlockProfile.dead_head_late_bytes``): ``head_peak_bytes`` nets the free of the rest, which
+    happens under a plan recomputing the block no more (the head then peaks that much higher above what is
+    left), while for this part the head peaks above the level as measured (``Chain.dead_branches``).
+    """
+    marks = {name: ts[0] for name, ts in trace.mark_times().items()}
+    starts = [marks.get(f"{Event.FORWARD}{i}") for i in range(n)]
+    ends = [marks.get(f"{Event.FORWARD_END}{i}") for i in range(n)]
+    if not trace.ptrs or any(t is None for t in (*starts, *ends)) or "loss" not in marks:
+        return [()] * n, [0] * n
+    backward = marks["loss"]
+    lives = trace.lifetimes()
+    # When the head first reaches its peak (head_peak_bytes: from the last block's end to its backward).
+    last_end = int(ends[-1])  # type: ignore[arg-type]
+    last_bwd = marks.get(f"{Event.BACKWARD}{n - 1}", trace.duration_ns)
+    head_top = trace.peak_between(last_end, last_bwd)
+    lo, hi = bisect_right(trace.t_ns, last_end), bisect_right(trace.t_ns, last_bwd)
+    head_peak_t = next((trace.t_ns[i] for i in range(lo, hi) if trace.level_bytes[i] == head_top), last_end)
+    out: list[tuple[tuple[int, int], ...]] = []
+    late = [0] * n
+    for k in range(n):
+        f0, f1 = int(starts[k]), int(ends[k])  # type: ignore[arg-type]
+        frees: dict[int, int] = {}
+        for ptr, size in tracked.saved[k].items():
+            if ptr in tracked.outputs[k] or ptr in tracked.inputs[k]:
+                continue
+            span = next((lt for lt in lives.get(ptr, ()) if f0 <= lt[0] <= f1 < lt[1]), None)
+            if span is None or span[1] > backward:
+                continue
+            after = next(
+                (
+                    j
+                    for j in range(k + 1, n)
+                    if int(ends[j]) < span[1] <= (int(starts[j + 1]) if j + 1 < n else backward)  # type: ignore[arg-type]
+                ),
+                n - 1 if k == n - 1 and f1 < span[1] <= backward else None,
+            )
+            if after is not None:
+                frees[after] = frees.get(after, 0) + size
+                if after == n - 1 and span[1] > head_peak_t:
+                    late[k] += size
+        out.append(tuple(sorted(frees.items())))
+    return out, late
+
+
 def _late_inputs(trace: MemoryTrace, tracked: Probe, n: int) -> tuple[LateInput, ...]:
     """The block inputs that the plain step frees in the forward after the block that takes them last
     (``Profile.late_inputs``; NOTE [ Chain cost model ]): T5's position bias, made by a stack's first layer,
@@ -1272,6 +1331,7 @@ def _assemble(
                 - grads_before,
                 # The same reference at the start of its backward: the activation gradients pending then.
                 pending_grad_bytes=max(0, trace.level_at(b0) - trace.level_at(f1) - grads_before),
+                bwd_level_bytes=trace.level_at(b0) - trace.level_at(f1) - grads_before,
                 held_input_bwd_bytes=_held_input_bwd(trace, lives, tracked, i, f0, f1, b0, b1),
                 fwd_ms=ms((Event.FORWARD, i), (Event.FORWARD_END, i)),
                 bwd_ms=ms((Event.BACKWARD, i), (Event.BACKWARD_END, i)),

@@ -91,6 +91,13 @@ class BlockProfile:
             gradients allocated before its backward) when its backward starts: the gradient of its output
             and any other activation gradient pending then. A segment ending with this block replays
             above them (``bwd_peak_bytes`` includes them for a kept block).
+        dead_head_late_bytes: The part of ``dead_saved_frees`` that the head frees (``after`` the last block)
+            once it has reached its peak (``Profile.head_peak_bytes`` does not net its free), bytes.
+        bwd_level_bytes: The same difference unclipped (negative where the code after the block frees more
+            before its backward than is pending then), or ``None`` (profiles written before the field existed).
+            ``chain_of`` adds back what it books as freed right after the block that the plain step frees later
+            (``dropped_output_frees``, ``dead_saved_frees``): the level it tracks lacks those, the real one at
+            the backward's start holds what the head keeps above it.
         fwd_flops: Forward FLOPs (``torch.utils.flop_counter``).
         bwd_flops: Backward FLOPs.
         subs: Attention / FFN sub-modules of a mixed block.
@@ -127,6 +134,11 @@ class BlockProfile:
             weights live until the next call rebinds ``outputs``): freed in the code after block ``after``'s
             forward (a later block's gap; the head's, ``after`` the last block), before the backward. Never held
             to the backward, by a segment either (``chain_of`` charges them to the forwards they span).
+        dead_saved_frees: ``(after, bytes)`` of what its forward saves for a branch whose output the model's
+            code drops later in the forward (``h, aux = layer(h)``, ``aux`` unused until the next call rebinds
+            it): freed with that output in the code after block ``after``'s forward (a later block's gap; the
+            head's for ``after`` the last block), not in its own gap. A plan recomputing the block never
+            saves it, so that later gap frees nothing of it (``chain_of`` charges the free to the block).
         pinned_bytes: Bytes allocated in its forward, its outputs excluded, that stay alive when
             autograd saves nothing inside the blocks (held by the model or a hook), bytes.
         pinned_fwd_bytes: The part of ``pinned_bytes`` freed before the loss (NOTE [ Pinned through the forward
@@ -217,6 +229,9 @@ class BlockProfile:
     held_input_bwd_bytes: int = 0
     gap_peak_bytes: int = 0
     dropped_output_frees: tuple[tuple[int, int], ...] = ()
+    dead_saved_frees: tuple[tuple[int, int], ...] = ()
+    bwd_level_bytes: int | None = None
+    dead_head_late_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.own_output_bytes < 0:  # profiles written before the field existed
