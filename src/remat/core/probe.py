@@ -137,6 +137,10 @@ class Event(str, Enum):
     # Gradients reach a sub-module's outputs (tracked runs only): its backward starts, and with it the
     # recomputation of a sub-module checkpointed alone (NOTE [ Sub-module recomputation peak ]).
     SUB_BACKWARD = "T"
+    # The backward first unpacks a tensor the block saved (tracked runs only): where a checkpoint over a
+    # segment ending with the block replays it, above what the block's backward allocated before then (the
+    # gradient buffers of an in-place op on a view, CopySlices; NOTE [ Replay level ] in remat.profile.profiler).
+    UNPACK = "U"
 
     def __str__(self) -> str:
         return self.value
@@ -594,6 +598,9 @@ class Probe:
             t, slots = packed
             for slot in slots:
                 self.unpacked[slot] = True
+                if slot < len(self.members) and (Event.UNPACK, slot) not in self._fired:
+                    self._fired.add((Event.UNPACK, slot))
+                    self.callback(Event.UNPACK, slot)
             return t  # type: ignore[no-any-return]
         return packed  # type: ignore[no-any-return]
 

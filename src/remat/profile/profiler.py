@@ -46,6 +46,16 @@ __all__ = ["profile"]
 
 log = logging.getLogger(__name__)
 
+# NOTE [ Replay level ]
+# A checkpoint over a segment ending with block k replays the segment when the backward first unpacks a
+# tensor the segment saved, which is inside block k's backward, not at its start: what that backward
+# allocates before its first unpack sits under the whole replay. An in-place op on a view as the block's
+# last op (``act_(x.transpose(1, 2))``) is the case: autograd's CopySlices allocates the gradient of the
+# base and a clone of the view's slice (2x the output) and only then calls the op's backward, which
+# unpacks. ``pending_grad_bytes`` is therefore read at the later of the backward's start and the first
+# unpack of what the block saved (``Event.UNPACK``, tracked run): fuzz seed 124's R[0:1](K0) K1 measured
+# 1.087x its budget with it read at the start (12288 bytes under the replay were not charged).
+
 # NOTE [ Measured checkpoint costs ]
 # Checkpointing a block costs more than running its forward again: saved-tensor hooks, RNG state,
 # unpacking, Python. The profile does not guess that overhead: it times the step with every block
@@ -1216,6 +1226,10 @@ def _assemble(
     # Where the backward of the code after each block starts: the next block's backward has ended (the
     # last block's: its own backward start, after the head's, which head_peak_bytes covers).
     bwd_after = [bwd_end[i + 1] if i + 1 < n else bwd_start[i] for i in range(n)]
+    # NOTE [ Replay level ]: where the backward first unpacked what each block saved, inside its backward.
+    unpack_at = [
+        u if bwd_start[i] <= (u := mt(Event.UNPACK, i, bwd_start[i])) <= bwd_end[i] else bwd_start[i] for i in range(n)
+    ]
     gap_after = _gaps(trace, n)
     tail_start = mt(Event.BACKWARD_END, 0, end)
     grads, head_grads, tail_grads = _grad_owners(grad_events, bwd_start, tail_start)
@@ -1330,7 +1344,10 @@ def _assemble(
                 - trace.level_at(f1)
                 - grads_before,
                 # The same reference at the start of its backward: the activation gradients pending then.
-                pending_grad_bytes=max(0, trace.level_at(b0) - trace.level_at(f1) - grads_before),
+                # A segment ending with the block replays above the level at its first unpack (NOTE [ Replay level ]).
+                pending_grad_bytes=max(
+                    0, max(trace.level_at(b0), trace.level_at(unpack_at[i])) - trace.level_at(f1) - grads_before
+                ),
                 bwd_level_bytes=trace.level_at(b0) - trace.level_at(f1) - grads_before,
                 held_input_bwd_bytes=_held_input_bwd(trace, lives, tracked, i, f0, f1, b0, b1),
                 fwd_ms=ms((Event.FORWARD, i), (Event.FORWARD_END, i)),
