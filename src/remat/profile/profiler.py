@@ -855,6 +855,16 @@ def _loss_marked(loss_fn: Callable[[Any], torch.Tensor]) -> Callable[[Any], torc
     return marked
 
 
+def _freed_after(t_free: int, k: int, starts: Sequence[Any], ends: Sequence[Any], backward: int) -> int | None:
+    """The block ``j > k`` in the code after which (from its forward's end to the next block's start; the
+    head's, ``n - 1``, to the backward) a storage block ``k`` made is freed at ``t_free``; ``None``: elsewhere."""
+    n = len(starts)
+    for j in range(k + 1, n):
+        if int(ends[j]) < t_free <= (int(starts[j + 1]) if j + 1 < n else backward):
+            return j
+    return n - 1 if k == n - 1 and int(ends[k]) < t_free <= backward else None
+
+
 def _dropped_outputs(trace: MemoryTrace, tracked: Probe, n: int) -> list[tuple[tuple[int, int], ...]]:
     """Per block, ``(after, bytes)`` of its own outputs that no later block takes and that the forward frees in
     the code after a later block ``after`` (its gap; the head's, ``n - 1``, for the last blocks), before the
@@ -893,15 +903,7 @@ def _dropped_outputs(trace: MemoryTrace, tracked: Probe, n: int) -> list[tuple[t
             span = next((lt for lt in lives.get(ptr, ()) if f0 <= lt[0] <= f1 < lt[1]), None)
             if span is None or span[1] > backward:
                 continue
-            # The code after block j: from its forward's end to the next block's start (the head's: to the backward).
-            after = next(
-                (
-                    j
-                    for j in range(k + 1, n)
-                    if int(ends[j]) < span[1] <= (int(starts[j + 1]) if j + 1 < n else backward)  # type: ignore[arg-type]
-                ),
-                n - 1 if k == n - 1 and f1 < span[1] <= backward else None,
-            )
+            after = _freed_after(span[1], k, starts, ends, backward)
             if after is not None:
                 frees[after] = frees.get(after, 0) + size
         out.append(tuple(sorted(frees.items())))
@@ -948,14 +950,7 @@ def _dead_saved(trace: MemoryTrace, tracked: Probe, n: int) -> tuple[list[tuple[
             span = next((lt for lt in lives.get(ptr, ()) if f0 <= lt[0] <= f1 < lt[1]), None)
             if span is None or span[1] > backward:
                 continue
-            after = next(
-                (
-                    j
-                    for j in range(k + 1, n)
-                    if int(ends[j]) < span[1] <= (int(starts[j + 1]) if j + 1 < n else backward)  # type: ignore[arg-type]
-                ),
-                n - 1 if k == n - 1 and f1 < span[1] <= backward else None,
-            )
+            after = _freed_after(span[1], k, starts, ends, backward)
             if after is not None:
                 frees[after] = frees.get(after, 0) + size
                 if after == n - 1 and span[1] > head_peak_t:
