@@ -1,6 +1,7 @@
 """A block taking a view (made by the code between blocks) of a tensor the previous block edited in place
 and returned: a segment over the block that made it holds it as an external argument (NOTE [ A view of a
 carried output ] in remat.core.probe; fuzz seed 808, split blocks)."""
+
 import dataclasses
 
 import pytest
@@ -55,9 +56,7 @@ def _step(model, x, loss_fn):
     torch.manual_seed(0)
     model.zero_grad(set_to_none=True)
     loss_fn(model(x)).backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}, {
-        n: b.clone() for n, b in model.named_buffers()
-    }
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, {n: b.clone() for n, b in model.named_buffers()}
 
 
 def _case(rebind):
@@ -119,5 +118,7 @@ def test_segment_over_the_maker_is_charged_the_view(rebind):
     for text in ("R[0:3](K0 K1 K2)", "K0 K1 R[2:3](K2)", "R[0:2](K0 K1) K2"):
         ops = ops_from_text(text)
         pred = simulate(chain, ops).peak_bytes
-        peak = _check(model, x, loss_fn, dataclasses.replace(base, ops=ops, predicted_peak_bytes=pred, budget_bytes=None))
+        peak = _check(
+            model, x, loss_fn, dataclasses.replace(base, ops=ops, predicted_peak_bytes=pred, budget_bytes=None)
+        )
         assert 0.95 <= peak / pred <= 1.05, (text, peak, pred)
