@@ -759,6 +759,29 @@ def _late_freed_inputs(
     return sorted(out), release
 
 
+def _forward_freed(
+    lives: dict[int, list[tuple[int, int]]],
+    tracked: Probe,
+    slot: int,
+    saved: dict[int, int],
+    saved_bytes: int,
+    held: dict[int, int],
+    end: int,
+    f1: int,
+) -> int:
+    """What checkpointing sub-module ``slot`` frees in its block's forward from its end (``end``) to the
+    block's (``f1``), bytes (``SubProfile.fwd_freed_bytes``; NOTE [ Sub-module recomputation peak ]):
+    ``saved_bytes`` less the part of its own outputs that it saves (its caller holds them as it holds the
+    output), plus the inputs its checkpoint holds (``held``, charged by ``saved_bytes``) that the plain step
+    holds past the block's forward end anyway (an attention mask the model passes every layer)."""
+
+    def alive(ptr: int) -> bool:
+        return any(lt[0] <= end < lt[1] and lt[1] > f1 for lt in lives.get(ptr, ()))
+
+    outputs = sum(v for k, v in saved.items() if k in tracked.outputs[slot] and k not in tracked.cast_saved[slot])
+    return saved_bytes - outputs + sum(v for k, v in held.items() if alive(k))
+
+
 def _held_windows(late: list[tuple[int, int]], release: int) -> Iterator[tuple[int, int, int]]:
     """``(start, end, bytes held)`` from each free of ``late`` on, to ``release``: the bytes the checkpoint
     holds there that the plain step had freed."""
@@ -1293,9 +1316,10 @@ def _assemble(
                 )
             # And the block's forward, from the sub-module's forward end on, runs without what it saved.
             sub_end = marks.get(f"{Event.SUB_END}{sub_index}")
-            fwd_split = None
+            fwd_split = fwd_freed = None
             if sub_end is not None and f0 <= sub_end <= f1:
                 fwd_split = (trace.peak_between(f0, sub_end) - l_f0, trace.peak_between(sub_end, f1) - l_f0)
+                fwd_freed = _forward_freed(lives, tracked, slot, saved, saved_bytes, unsaved_inputs, sub_end, f1)
             subs.append(
                 SubProfile(
                     fqn=fqn,
@@ -1308,6 +1332,7 @@ def _assemble(
                     bwd_index=bwd_rank.get(sub_index),
                     fwd_split_bytes=fwd_split,
                     held_inputs=tuple((tracked.input_ids[slot][k], v) for k, v in unsaved_inputs.items()),
+                    fwd_freed_bytes=fwd_freed,
                 )
             )
             sub_index += 1

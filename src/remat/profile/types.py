@@ -59,6 +59,11 @@ class SubProfile:
         held_inputs: ``(number, bytes)`` of each input its checkpoint holds that its block does not save
             (counted in ``saved_bytes``); the same number in every sub-module that takes the same tensor
             (T5's position bias), which checkpoints open at once hold once (NOTE [ Inputs held once ]).
+        fwd_freed_bytes: What checkpointing it frees in its block's forward, from its forward end to the
+            block's, bytes: ``saved_bytes`` less its own outputs that it saves (HF's attention weights, a view
+            of the softmax its matmul saves, which the layer holds as it holds the output), plus the inputs
+            its checkpoint holds that the plain step holds past the block's forward anyway (an attention
+            mask); None where its forward was not seen (``saved_bytes``; NOTE [ Sub-module recomputation peak ]).
     """
 
     fqn: str
@@ -70,6 +75,7 @@ class SubProfile:
     bwd_index: int | None = None
     fwd_split_bytes: tuple[int, int] | None = None
     held_inputs: tuple[tuple[int, int], ...] = ()
+    fwd_freed_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -463,6 +469,17 @@ class Profile:
 # before either attention is recomputed: ``bp + saved`` was 363,080 bytes too high), too low where the
 # recomputation itself peaks above the block's plain backward (T5's cross-attention as a block of its own).
 # Where a sub-module's backward was not seen, ``bp + saved``.
+# In the forward, the block's peak after a sub-module's end is the plain one less what checkpointing it frees
+# there (``SubProfile.fwd_freed_bytes``), which is not ``saved``: HF's attention returns ``(out, weights)``,
+# ``weights`` the softmax (or a view of it) that its matmul saves, and the layer binds it to ``_`` through
+# its MLP, so checkpointed, the attention no longer saves the softmax but the layer still holds it where the
+# block peaks; and of the inputs its checkpoint holds, which ``saved`` charges from the block's end to its
+# backward, those the plain step holds past the block's forward anyway (the attention mask every layer is
+# passed) cost the forward nothing. Credited as freed, the weights left a nested plan recomputing such a
+# layer with its attention checkpointed inside the replay (R[0:1](S0{self_attn}) ...) 1.04x its prediction,
+# the smallest plan on transformers' OpenAIPrivacyFilterModel 1.06x its budget; charged, the mask left
+# Mixtral's 0.94x. The plain step does not show when the caller drops the output: held to the block's
+# forward end (on the safe side).
 
 
 def _recompute_peak(bwd_peak_bytes: int, subs: list[SubProfile]) -> int:
@@ -481,9 +498,14 @@ def _recompute_peak(bwd_peak_bytes: int, subs: list[SubProfile]) -> int:
 
 def _forward_peak(fwd_peak_bytes: int, subs: list[SubProfile]) -> int:
     """The forward peak of a block with ``subs`` checkpointed, above the level at its start, bytes: the
-    plain forward's, less what the sub-modules that have returned saved (NOTE [ Sub-module recomputation
-    peak ]); where a sub-module's forward was not seen, the plain one."""
-    splits = [(s.fwd_split_bytes, s.saved_bytes) for s in subs if s.fwd_split_bytes is not None]
+    plain forward's, less what checkpointing the sub-modules that have returned frees there
+    (``SubProfile.fwd_freed_bytes``, NOTE [ Sub-module recomputation peak ]); where a sub-module's forward
+    was not seen, the plain one."""
+    splits = [
+        (s.fwd_split_bytes, s.saved_bytes if s.fwd_freed_bytes is None else s.fwd_freed_bytes)
+        for s in subs
+        if s.fwd_split_bytes is not None
+    ]
     if len(splits) < len(subs):
         return fwd_peak_bytes
     # In forward order: a later end has a peak before it no lower and a peak after it no higher.
