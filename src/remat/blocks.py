@@ -208,6 +208,7 @@ class _Source:
     names: frozenset[str]  # every identifier and attribute name
     calls: frozenset[str]  # names of the functions and methods it calls
     called: frozenset[str] = frozenset()  # ``self.<name>`` it calls itself (``self.<name>(x)``)
+    called_again: frozenset[str] = frozenset()  # ``self.<name>`` it calls at two places or more
 
 
 _HELPER_DEPTH = 3  # how deep forward -> self.helper() -> ... is followed
@@ -245,6 +246,7 @@ def _read_source(cls: type) -> _Source:
     names: set[str] = set()
     calls: set[str] = set()
     called: set[str] = set()
+    called_again: set[str] = set()
 
     def visit(fn: object, depth: int, seen: frozenset[str]) -> None:
         tree = _parse(fn)
@@ -267,6 +269,8 @@ def _read_source(cls: type) -> _Source:
                         uses.append((_when(node, parents), node.attr))
                     call = parents.get(id(node))
                     if isinstance(call, ast.Call) and call.func is node:
+                        if node.attr in called:
+                            called_again.add(node.attr)
                         called.add(node.attr)
         for _, name in sorted(uses):
             method = _own_method(cls, name)
@@ -277,7 +281,7 @@ def _read_source(cls: type) -> _Source:
                 order.setdefault(name)
 
     visit(getattr(cls, "forward", None), 0, frozenset({"forward"}))
-    return _Source(tuple(order), frozenset(names), frozenset(calls), frozenset(called))
+    return _Source(tuple(order), frozenset(names), frozenset(calls), frozenset(called), frozenset(called_again))
 
 
 def _when(node: ast.Attribute, parents: dict[int, ast.AST]) -> tuple[int, int]:
@@ -765,16 +769,34 @@ def _periodic_runs(keys: Sequence[object]) -> list[tuple[int, int, int]]:
 
 
 def _default_groups(model: nn.Module) -> list[tuple[str, ...]]:
-    found = _Stacks(model).cover(model, "") or _best_run(model) or _layer_list(model)
+    found = _canonical(model, _Stacks(model).cover(model, "") or _best_run(model) or _layer_list(model))
     if found:
         return [(f,) for f in found]
-    roots = _callable_children(model, "", looped=True)
+    roots = _canonical(model, _callable_children(model, "", looped=True))
     if len(roots) >= 2:
         return [(n,) for n in roots]
     raise BlockSelectionError(
         f"blocks: found no repeated children in {type(model).__name__} to use as blocks; "
         "choose them with include='layers.*', types=..., filter=... or named=[[...]]"
     )
+
+
+# NOTE [ One module, two names ]
+# A module registered under two names (performer-pytorch's ProjectionUpdater keeps ``instance = self.net``
+# beside ``self.net``; any back-reference to a sub-stack) is reached twice by the walk over children: its
+# layers came out twice, once per name, and the profile refused the second copy as a block that "did not
+# run". Each module is a block once, under the name ``model.named_modules()`` gives it (the one ``include=``
+# matches and ``state_dict`` uses); the order is that of its first occurrence.
+
+
+def _canonical(model: nn.Module, fqns: Sequence[str]) -> list[str]:
+    names = {id(m): n for n, m in model.named_modules()}
+    out: list[str] = []
+    for f in fqns:
+        name = names.get(id(model.get_submodule(f)), f)
+        if name not in out:
+            out.append(name)
+    return out
 
 
 def _layer_list(model: nn.Module) -> list[str]:
@@ -1023,10 +1045,21 @@ def _split(model: nn.Module, groups: Sequence[tuple[str, ...]]) -> list[tuple[st
 
 def _children_in_call_order(module: nn.Module, prefix: str) -> list[str]:
     names = [name for name, _ in module.named_children()]
+    # One stateless module at two places of a Sequential (diffusers' AutoencoderTiny: get_activation() hands
+    # out one shared ReLU) runs twice per step, and named_children() names it once: code between blocks.
+    slots = [id(child) for child in module._modules.values() if child is not None]
+    shared = {s for s in slots if slots.count(s) > 1}
+    names = [
+        n for n in names if not (id(module.get_submodule(n)) in shared and _stateless(module.get_submodule(n)))
+    ] or names
     if not isinstance(module, nn.Sequential):
         source = _source(_class(module))
         # A child its forward never names (XLNet's spare dropout) is not called by it: no block.
         names = [n for n in names if n in source.names] or names
+        # A stateless child it calls at two places (one DropPath for both residual branches, CCT's; an
+        # activation or einops layer used twice) would run twice per step, which no block may: it stays
+        # code between blocks, as the residual adds do (NOTE [ Split blocks ]).
+        names = [n for n in names if not (n in source.called_again and _stateless(module.get_submodule(n)))] or names
         order = [a for a in source.attributes if a in names]
         if set(order) == set(names):
             names = order
@@ -1040,6 +1073,10 @@ def _children_in_call_order(module: nn.Module, prefix: str) -> list[str]:
         else:
             out.append(fqn)
     return out
+
+
+def _stateless(module: nn.Module) -> bool:
+    return not any(True for _ in module.parameters()) and not any(True for _ in module.buffers())
 
 
 def resolve(model: nn.Module, block_list: Sequence[Block]) -> list[list[nn.Module]]:
