@@ -304,7 +304,7 @@ def test_a_replay_holds_every_cached_output_from_its_start_where_the_forward_pea
     )
     b = BlockOps(0, "b", ops, 90, 0, 4)
     live = _alive(b, range(4))
-    assert live == [100, 110, 150, 90]  # the temporary is counted through op 2, during which it was freed
-    assert _replay_rise(b, live, {2}, 110) == 150 - 40
-    assert _replay_rise(b, live, set(), 110) == 150
-    assert _replay_rise(b, live, {2}, 160) == 110 + 10  # a measured peak above the storages' (a workspace)
+    assert live == [100, 110, 50, 90]  # the temporary is counted through op 1, the last op that ran before it died
+    assert _replay_rise(b, live, {2}, 110) == 110  # the forward's peak at op 1, with the cached 40 held already
+    assert _replay_rise(b, live, set(), 110) == 110
+    assert _replay_rise(b, live, {2}, 160) == 110 + 50  # a measured peak above the storages' (a workspace)

@@ -250,11 +250,29 @@ def _buffer_copy(buf: torch.Tensor) -> bytes | torch.Tensor:
     return t.clone()
 
 
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal``, for sparse tensors too (torch has no sparse kernel for it: a sparse buffer made the
+    profile raise a raw ``NotImplementedError``). Sparse tensors compare by their stored indices and
+    values as they are, without coalescing (no allocation): the same values stored otherwise count as
+    changed, which only makes the block count as stateful (on the safe side)."""
+    if a.layout != b.layout or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.layout == torch.sparse_coo:
+        return torch.equal(a._indices(), b._indices()) and torch.equal(a._values(), b._values())
+    if a.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (torch.Tensor.crow_indices, torch.Tensor.col_indices, torch.Tensor.values)
+        return all(torch.equal(f(a), f(b)) for f in parts)
+    if a.layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = (torch.Tensor.ccol_indices, torch.Tensor.row_indices, torch.Tensor.values)
+        return all(torch.equal(f(a), f(b)) for f in parts)
+    return torch.equal(a, b)
+
+
 def _same_as_copy(buf: torch.Tensor, copy: bytes | torch.Tensor) -> bool:
     if isinstance(copy, bytes):
         t = buf.detach()
         return t.is_contiguous() and t.reshape(-1).view(torch.uint8).cpu().numpy().tobytes() == copy
-    return torch.equal(buf, copy)
+    return same_values(buf.detach(), copy)
 
 
 class Probe:

@@ -113,7 +113,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from remat.core.ops import Keep, Op, Recompute, RecomputeOps, RecomputeSub
-from remat.core.probe import held_storages, made_since, restored_buffer, sequence_mark
+from remat.core.probe import held_storages, made_since, restored_buffer, same_values, sequence_mark
 from remat.core.selective import run_selective, saves_recorded, stop_passing
 from remat.core.tree import flatten, leaves, output_leaves, unflatten
 from remat.core.versions import Saved, edited_since, note_saved, replaying, where_data
@@ -1684,7 +1684,7 @@ class _StateGuard:
             changed = [
                 n
                 for n, b in self.buffers.items()
-                if b._version != self.versions[n] or n in norms or not torch.equal(b, self.before[n])
+                if b._version != self.versions[n] or n in norms or not same_values(b, self.before[n])
             ]
         edited = [
             i for i, t in enumerate(self.args) if t._version != self.arg_versions[i] and id(t) not in self.own_links
@@ -1829,9 +1829,10 @@ def _guarded_recompute(
             if "has been mutated" in str(e):
                 raise RematError(
                     f"apply: module {role.name!r} runs under an op-level policy (RecomputeOps) that caches an op "
-                    "whose output a later op of the block edits in place, which torch's selective checkpoint "
-                    f"refuses ({str(e).splitlines()[0]}); recompute that op instead (remat.plan never caches "
-                    "one), or keep this block"
+                    "whose output a later op of the block, or the model's code after the block (on a tensor the "
+                    "block returned), edits in place, which torch's selective checkpoint refuses "
+                    f"({str(e).splitlines()[0]}); recompute that op instead (remat.plan caches neither such an op "
+                    "nor a returned output that autograd does not save whole), or keep this block"
                 ) from e
             if not any(marker in str(e) for marker in _SAC_ERRORS):
                 _raise_if_vmapped(role.name, e)

@@ -112,8 +112,10 @@ def _mutated_later(b: BlockOps) -> list[bool]:
 def _cacheable(b: BlockOps) -> list[bool]:
     """Whether each op may be cached, random ops' order aside (NOTE [ Selective recompute semantics ]);
     never a cast, which autocast's cache may skip in the recomputation (NOTE [ Autocast's cache in a
-    policy's recomputation ] in ``remat.core.selective``)."""
+    policy's recomputation ] in ``remat.core.selective``), nor an op whose output the block returns
+    unless autograd saves all of it (NOTE [ A returned output edited after the block ])."""
     later = _mutated_later(b)
+    escapes = set(b.outputs) - set(_saved_outputs(b))
     return [
         op.index < b.stop
         and op.fresh
@@ -121,8 +123,19 @@ def _cacheable(b: BlockOps) -> list[bool]:
         and op.name != "_to_copy"
         and all(w == EXTERNAL for w in op.writes)
         and not later[op.index]
+        and op.index not in escapes
         for op in b.ops
     ]
+
+
+# NOTE [ A returned output edited after the block ]
+# The per-op profile sees the block's own in-place writes only. A tensor the block returns may be edited
+# in place by the model's code after it (``y, e = block(x); y.mul_(0.5)``, a next layer's in-place
+# activation on its input), which the plain step allows where autograd did not save that tensor. Cached,
+# torch's selective checkpoint finds the edit in the backward and refuses ("Tensor cached during
+# selective activation checkpoint has been mutated"): a plan of remat.plan failed in its first backward
+# (helper-87). So the menu caches a returned output only where autograd saves all of it (a closing ReLU
+# or tanh: NOTE [ The block's output is held anyway ]), where such an edit fails the plain step too.
 
 
 def _random(b: BlockOps) -> list[int]:
@@ -462,8 +475,13 @@ def _held_inputs(profile: Profile, i: int) -> int:
 # the early stop; plus what the measured forward peak has above ``max L`` (a kernel's workspace). Taking
 # the forward peak less every cached output instead (its value at the block's end) was low for a block
 # whose forward peaks before the op it caches (a temporary made early, LongT5's and Hiera's attention:
-# 1.07-1.09x their budget, helper-45). Each storage is counted alive through the op during which it died
-# (an input an op frees as it makes its output: both exist then). Never below the old figure.
+# 1.07-1.09x their budget, helper-45). Each storage is counted alive through the last op that ran
+# before it died (``OpRecord.freed`` is the first op that ran without it): an input an op frees as it
+# makes its output (``x = f(x)``: the old ``x`` dies when ``f`` returns) is counted through ``f``, where
+# both exist; one that dies inside an op is recorded as alive through that op. Counting it through one
+# op more (``freed + 1``) held every temporary one op too long: a policy's replay rise was one tensor
+# high wherever the replay peaked right after a temporary died (a no_grad scale feeding a division:
+# 0.88x its prediction, helper-87). Never below the old figure.
 def _alive(b: BlockOps, which: Collection[int]) -> list[int]:
     """Bytes of the storages allocated by the ops ``which`` that are alive after each op of the block."""
     n = len(b.ops)
@@ -472,7 +490,7 @@ def _alive(b: BlockOps, which: Collection[int]) -> list[int]:
         op = b.ops[i]
         if op.out_bytes:
             delta[i] += op.out_bytes
-            delta[min(n, (n if op.freed < 0 else op.freed) + 1)] -= op.out_bytes
+            delta[n if op.freed < 0 else min(n, op.freed)] -= op.out_bytes
     return list(itertools.accumulate(delta[:n]))
 
 

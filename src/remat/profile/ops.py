@@ -89,7 +89,8 @@ class OpRecord:
         view: Whether its outputs only alias its inputs' storages, mutating nothing (``view``, ``transpose``,
             ``_unsafe_view``).
         freed: When the storages it allocated died in the block's forward: before op ``freed`` ran (a
-            temporary), or ``-1`` when they outlived it (saved, returned, held). With ``out_bytes``, this gives
+            temporary; one that died while an op ran counts as dying after it), or ``-1`` when they
+            outlived it (saved, returned, held). With ``out_bytes``, this gives
             the bytes alive after each op (NOTE [ Replays of op-level policies ] in ``remat.plan.policies``).
         autocast_cached: A cast that autocast's cache holds (of a leaf that requires grad, a parameter,
             under an enabled autocast with its cache on): alive until the outermost autocast region exits,
@@ -299,6 +300,7 @@ class _Run:
         # dropped when the block's forward ends, so later deaths are not recorded.
         self.lifetimes: list[weakref.ref[torch.UntypedStorage]] | None = []
         self._pending_alive = 0  # storages the op being recorded allocated
+        self.in_op = False  # an op of the block is running (a storage dying now dies during it)
 
     def owner_of(self, ptr: int) -> int:
         return self.owner.get(ptr, EXTERNAL)
@@ -377,7 +379,8 @@ class _Run:
                 op = run.ops[index]
                 op.alive -= 1
                 if op.alive == 0:
-                    op.freed = len(run.ops)
+                    # The first op that ran without it: the next one, if it died while an op ran.
+                    op.freed = len(run.ops) + (1 if run.in_op else 0)
 
         try:
             self.lifetimes.append(weakref.ref(t.untyped_storage(), died))
@@ -462,7 +465,11 @@ class _Recorder(TorchDispatchMode):
         if cuda:
             torch.cuda.synchronize(cuda[0])
         t0 = time.perf_counter_ns()
-        out = func(*args, **kwargs)
+        run.in_op = True
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            run.in_op = False
         if cuda:
             torch.cuda.synchronize(cuda[0])
         ns = time.perf_counter_ns() - t0
