@@ -281,6 +281,7 @@ class Chain:
     _rng_copies: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _late_held: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _late_replay: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    _late_made: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.joinable:
@@ -351,6 +352,7 @@ class Chain:
         held, replay = _late_tables(self.late_inputs, n)
         object.__setattr__(self, "_late_held", held)
         object.__setattr__(self, "_late_replay", replay)
+        object.__setattr__(self, "_late_made", _late_made_table(self.late_inputs, n))
 
     @property
     def n(self) -> int:
@@ -405,7 +407,18 @@ class Chain:
             - self._rng_copies[start + 1]
             - int(self.released_bytes[stop - 1])
             + self.late_held_bytes(start, stop)
+            + self.late_made_bytes(start, stop)
         )
+
+    def late_made_bytes(self, start: int, stop: int) -> int:
+        """Bytes of the late inputs made inside a segment ``start..stop-1`` (by one of its blocks but the last,
+        whose output is ``x_bytes[stop]``) that the model's code holds past the segment's end and frees in
+        the head (``late_inputs`` with ``freed_after >= n``; fuzz seed 2005: ``saved[0] = h`` before block 0
+        for a skip summed after blocks 1 and 2). The no-save forward drops none of the segment's own tensors
+        that Python holds, so the segment holds them to the head: through the forward only
+        (``segment_fwd_only_bytes``), never in a replay, where the model's code does not run. A segment
+        ending with the last block leaves them to ``head_freed_bytes``, as before."""
+        return self._late_made[start][stop] if self._late_made else 0
 
     def segment_fwd_only_bytes(self, start: int, stop: int) -> int:
         """The part of ``segment_bytes(start, stop)`` held through the step's forward only, bytes: what its
@@ -414,7 +427,7 @@ class Chain:
         ``remat.profile.profiler``). The simulator drops it from the level at the head for a segment at the top
         level of the plan and never charges it to one inside a replay (each replayed call re-enters autocast,
         and its casts die with the call); the solvers charge it as held to the segment's backward (safe side)."""
-        return sum(int(self.pinned_fwd_bytes[q]) for q in range(start, stop))
+        return sum(int(self.pinned_fwd_bytes[q]) for q in range(start, stop)) + self.late_made_bytes(start, stop)
 
     def late_held_bytes(self, start: int, stop: int) -> int:
         """Bytes of the inputs a segment ``start..stop-1`` takes from before it that the plain step frees
@@ -532,6 +545,19 @@ def _late_tables(
                 for stop in range(max(first, freed_after) + 1, n + 1):
                     replay[start][stop] += nbytes  # freed in the gap after one of its later blocks
     return tuple(map(tuple, held)), tuple(map(tuple, replay))
+
+
+def _late_made_table(late: tuple[tuple[int, int, int, tuple[int, ...]], ...], n: int) -> tuple[tuple[int, ...], ...]:
+    """``[start][stop]`` table of ``Chain.late_made_bytes`` (empty without such late inputs)."""
+    made = [entry for entry in late if entry[0] > 0 and entry[2] >= n and 0 <= entry[1] < n]
+    if not made:
+        return ()
+    table = [[0] * (n + 2) for _ in range(n + 1)]
+    for nbytes, producer, _freed_after, _users in made:
+        for start in range(0, producer + 1):
+            for stop in range(producer + 2, n):  # past the producer's own output (x_bytes), before the last block
+                table[start][stop] += int(nbytes)
+    return tuple(map(tuple, table))
 
 
 def _freed_inputs(profile: Profile, dropped_in: list[int] | None = None) -> tuple[int, ...]:

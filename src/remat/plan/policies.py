@@ -466,6 +466,17 @@ def _held_inputs(profile: Profile, i: int) -> int:
     return held + late
 
 
+def _dead_saved_bytes(profile: Profile, i: int) -> int:
+    """Bytes of block ``i``'s dead branches that ``chain_of`` frees right after it (``Chain.dead_branches``,
+    ``BlockProfile.dead_saved_frees``): off its ``keep_bytes`` already, so no policy frees them again."""
+    n = len(profile.block_profiles)
+    return sum(
+        size
+        for after, size in profile.block_profiles[i].dead_saved_frees
+        if size > 0 and i <= after < n and not (after == i and i < n - 1)
+    )
+
+
 # NOTE [ Replays of op-level policies ]
 # A policy's recomputation runs the block's forward again with every cached output held from its start,
 # where the forward made them one by one. Its rise above the level of the backward (which holds the
@@ -525,7 +536,12 @@ def op_costs(profile: Profile) -> dict[tuple[int, RecomputeOps], tuple[int, floa
             extra_ms = max(policy.recompute_ms, bp.selective_ms - skipped_ms)
             # The RNG state and the inputs the checkpoint holds stay to the end of the block's backward.
             held = profile.ckpt_state_bytes + _held_inputs(profile, i)
-            saved = policy.freed_bytes - held
+            # What the block saves for a dead branch (BlockProfile.dead_saved_frees) chain_of frees right after
+            # the block (keep_bytes lowered by it), so Keep is charged without it already: the policy frees
+            # none of it beyond that. Recomputed, it was never saved; cached, torch's selective checkpoint
+            # holds it to the block's backward, past the plain step's free (fuzz seed 807: an aux head's
+            # input cached by O1{..|clone#1}, 12,288 bytes alive through the head's backward, 1.06x budget).
+            saved = policy.freed_bytes - held - _dead_saved_bytes(profile, i)
             # The recomputation runs when the block's backward starts, above the gradients pending then,
             # with a copy of the RNG state (torch's checkpoint forks it) and every tensor of the forward
             # up to its early stop alive (the block's forward peak, less the cached outputs, held already):
