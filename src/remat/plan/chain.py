@@ -95,7 +95,9 @@ simulator charges each such tensor once, by the first open checkpoint that holds
 the encoder's layers hold one bias), and a later segment holding one that an open checkpoint already
 charged frees it from the level where the plain step does, as a kept block would; the solvers charge it
 to every checkpoint (and ``_held`` to the segment ending at ``k`` that holds the most), on the safe side of
-the simulator. A recomputed last block's ``out_free`` counts its own outputs only: an input it passes
+the simulator. One that a segment makes and takes, freed after its end, is held by the model's code, not
+by the checkpoint: ``segment_bytes`` charges it too (NOTE [ Late inputs made inside a segment ]). A
+recomputed last block's ``out_free`` counts its own outputs only: an input it passes
 through (the bias, returned with the hidden state) is the checkpoint's, not freed. Gradients accumulate: a block's backward, and a recomputation, run above every gradient allocated before them (a segment's
 replay runs after the blocks after it made theirs). The solvers only
 put several blocks in one segment across boundaries where nothing is held between them
@@ -349,10 +351,12 @@ class Chain:
         object.__setattr__(self, "_before_last", tuple(itertools.accumulate(before_last, initial=0)))
         object.__setattr__(self, "_unlinked", tuple(itertools.accumulate(map(int, self.unlinked_bytes), initial=0)))
         object.__setattr__(self, "_rng_copies", tuple(itertools.accumulate(map(int, self.rng_copy_bytes), initial=0)))
-        held, replay = _late_tables(self.late_inputs, n)
+        # What a segment charges of its blocks' outputs anyway (pout, re; _late_tables takes it off late_made).
+        covered = [int(self.pinned_out_bytes[q]) + int(self.reused_bytes[q]) for q in range(n + 1)]
+        held, replay, made = _late_tables(self.late_inputs, n, covered)
         object.__setattr__(self, "_late_held", held)
         object.__setattr__(self, "_late_replay", replay)
-        object.__setattr__(self, "_late_made", _late_made_table(self.late_inputs, n))
+        object.__setattr__(self, "_late_made", made)
 
     @property
     def n(self) -> int:
@@ -364,9 +368,11 @@ class Chain:
         head, bytes. ``fwd_peak_bytes[n]`` (``Profile.head_peak_bytes``) is measured above the level at the
         last block's end, so it nets what the head frees of tensors alive there: the last block's input that
         it does not save (``freed_input_bytes[n - 1]``: a Sequential rebinding ``input``) and the late inputs
-        the head frees (``late_inputs`` with ``freed_after == n``). Under the checkpoint those frees never
-        happen in the head: made inside the segment, they were dropped with it (a late input made by one of
-        ``start..n-2``), or the checkpoint holds them (its input) and frees them with its backward. Without
+        the head frees (``late_inputs`` with ``freed_after == n``). Under the checkpoint the first free never
+        happens in the head: the checkpoint holds that input and frees it with its backward; and a late input
+        made by one of ``start..n-2`` the segment never charged (NOTE [ Late inputs made inside a segment ]:
+        the model's code holds it to the head, which frees it after the segment's end, so it is charged
+        here, through the head, not by ``segment_bytes``). Without
         this, a plan ending in such a segment ran over its prediction and budget by that much (an e3nn
         ``o3.Linear`` as the last block, which saves a copy of its input, not the input: 1.09x)."""
         if not self.n:
@@ -410,16 +416,6 @@ class Chain:
             + self.late_made_bytes(start, stop)
         )
 
-    def late_made_bytes(self, start: int, stop: int) -> int:
-        """Bytes of the late inputs made inside a segment ``start..stop-1`` (by one of its blocks but the last,
-        whose output is ``x_bytes[stop]``) that the model's code holds past the segment's end and frees in
-        the head (``late_inputs`` with ``freed_after >= n``; fuzz seed 2005: ``saved[0] = h`` before block 0
-        for a skip summed after blocks 1 and 2). The no-save forward drops none of the segment's own tensors
-        that Python holds, so the segment holds them to the head: through the forward only
-        (``segment_fwd_only_bytes``), never in a replay, where the model's code does not run. A segment
-        ending with the last block leaves them to ``head_freed_bytes``, as before."""
-        return self._late_made[start][stop] if self._late_made else 0
-
     def segment_fwd_only_bytes(self, start: int, stop: int) -> int:
         """The part of ``segment_bytes(start, stop)`` held through the step's forward only, bytes: what its
         blocks pin that the plain step frees before the loss (``pinned_fwd_bytes``; autocast's cached weight
@@ -427,13 +423,21 @@ class Chain:
         ``remat.profile.profiler``). The simulator drops it from the level at the head for a segment at the top
         level of the plan and never charges it to one inside a replay (each replayed call re-enters autocast,
         and its casts die with the call); the solvers charge it as held to the segment's backward (safe side)."""
-        return sum(int(self.pinned_fwd_bytes[q]) for q in range(start, stop)) + self.late_made_bytes(start, stop)
+        return sum(int(self.pinned_fwd_bytes[q]) for q in range(start, stop))
 
     def late_held_bytes(self, start: int, stop: int) -> int:
         """Bytes of the inputs a segment ``start..stop-1`` takes from before it that the plain step frees
         in the forward after the segment, or in the head (``late_inputs``): the segment holds them from its
         forward to its backward (from its end to where the plain step frees them, one copy too many)."""
         return self._late_held[start][stop] if self._late_held else 0
+
+    def late_made_bytes(self, start: int, stop: int) -> int:
+        """Bytes of the late inputs a segment ``start..stop-1`` makes and takes, none taken after it, that the
+        plain step frees after the segment but before the head (``late_inputs``; NOTE [ Late inputs made
+        inside a segment ]): the model's code holds them from the segment's end to that free, which a kept
+        block after the segment credits (``gap_bytes``); the segment charges them from its end to its
+        backward, whose replay runs without them (its kept blocks charge them again)."""
+        return self._late_made[start][stop] if self._late_made else 0
 
     def late_records(
         self, start: int, stop: int
@@ -522,20 +526,55 @@ def _freed_output_held(chain: Chain, q: int) -> int:
     return max(0, max(0, net + gfo) - max(0, net) - min(gfo, int(chain.unlinked_bytes[q + 1])))
 
 
+# NOTE [ Late inputs made inside a segment ]
+# A late input (``Chain.late_inputs``) is held after its last taker by the model's own code, not by
+# autograd: fuzz seed 361 split into blocks runs ``h = blocks.0(h)`` (a ``transpose().contiguous().transpose()``,
+# non-contiguous), then ``blocks.1`` = ``linear0`` (whose matmul saves a contiguous copy of ``h``, not ``h``)
+# and ``aux_head``, and ``h`` dies only when ``blocks.1`` returns, after ``aux_head``. A checkpoint does not
+# change that code: over blocks ``start..stop-1`` that make such a tensor and take it, none after them, it
+# stays alive from the segment's end to the same free as in the plain step (measured: the storage of
+# ``blocks.0``'s output freed when ``blocks.1`` returns, nothing held to the backward). The kept block after
+# which it is freed credits that free (its ``gap_bytes``), so a segment that charged it nothing ran below the
+# measured level by the whole tensor from its end on: ``R[0:3](K0 K1 K2) K3 ..`` measured 1.197x its
+# prediction and budget (1.053x in the fuzz cell). ``Chain.segment_bytes`` charges it
+# (``Chain.late_made_bytes``): exact up to the free; from the free to the segment's backward it stays on the
+# level as the plain step's ``S'`` of the block that made it would (the kept blocks whose forward ended with it
+# alive have their ``bwd_peak_bytes`` measured above it). It is gone by the segment's backward, whose replay
+# makes it again (its kept blocks charge it): the simulator takes it off the level before the replay, the
+# solvers' hold table (``_replay_hold``) likewise. The simulator also charges it to a later block's forward
+# inside the segment (alive there), and the solvers' no-save forward peaks too. Less what the segment holds
+# of the producer's outputs anyway (``pinned_out_bytes``, ``reused_bytes``: a skip the model's code keeps
+# to the head, fuzz seed 379, was charged twice, 0.95x). Measured after the fix: seed 361's plan 2389908
+# = predicted (the standalone repro's 2398096 = predicted); a segment making a tensor that the model drops
+# after the next kept block or in the head, exact (1.078x before). Left on the safe side: a later segment
+# whose inner gap frees it (``segment_bytes`` counts a gap's rises only) holds it on the level to that
+# segment's end (0.905 in a 5-layer case; the same plan with the maker kept: 0.886). A segment ending with
+# the last block whose tensor the head frees is ``Chain.head_freed_bytes``' (charged through the head only).
+
+
 def _late_tables(
-    late: tuple[tuple[int, int, int, tuple[int, ...]], ...], n: int
-) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
-    """``[start][stop]`` tables of ``Chain.late_held_bytes`` and ``Chain.late_replay_bytes`` (empty without
-    late inputs)."""
+    late: tuple[tuple[int, int, int, tuple[int, ...]], ...], n: int, covered: list[int] | None = None
+) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """``[start][stop]`` tables of ``Chain.late_held_bytes``, ``Chain.late_replay_bytes`` and
+    ``Chain.late_made_bytes`` (empty without late inputs; ``covered[p]``: what a segment over block ``p``
+    and the next charges of ``p``'s outputs anyway, ``pinned_out_bytes`` and ``reused_bytes``)."""
     if not late:
-        return (), ()
+        return (), (), ()
     # stop runs to n + 1: the solver's tables ask for one past the head (never a segment: 0).
     held = [[0] * (n + 2) for _ in range(n + 1)]
     replay = [[0] * (n + 2) for _ in range(n + 1)]
+    made = [[0] * (n + 2) for _ in range(n + 1)]
+    by_producer = [[0] * (n + 2) for _ in range(n + 1)]
     for nbytes, producer, freed_after, users in late:
         ordered = sorted(u for u in users if 0 <= u < n)
         if not ordered or nbytes <= 0:
             continue
+        # NOTE [ Late inputs made inside a segment ]: made by one of start..stop-1 and taken by them only, alive
+        # from the segment's end to the free after block freed_after (a segment ending with the last block:
+        # Chain.head_freed_bytes, charged at the head only); per producer, summed first (below).
+        if producer >= 0 and ordered[0] > producer:
+            for stop in range(ordered[-1] + 1, min(freed_after, n - 1) + 1):
+                by_producer[producer][stop] += nbytes
         for start in range(max(0, producer + 1), ordered[-1] + 1):
             # A segment from ``start`` takes it from before it once it reaches its first user from there.
             first = next(u for u in ordered if u >= start)
@@ -544,20 +583,14 @@ def _late_tables(
             if freed_after > start:
                 for stop in range(max(first, freed_after) + 1, n + 1):
                     replay[start][stop] += nbytes  # freed in the gap after one of its later blocks
-    return tuple(map(tuple, held)), tuple(map(tuple, replay))
-
-
-def _late_made_table(late: tuple[tuple[int, int, int, tuple[int, ...]], ...], n: int) -> tuple[tuple[int, ...], ...]:
-    """``[start][stop]`` table of ``Chain.late_made_bytes`` (empty without such late inputs)."""
-    made = [entry for entry in late if entry[0] > 0 and entry[2] >= n and 0 <= entry[1] < n]
-    if not made:
-        return ()
-    table = [[0] * (n + 2) for _ in range(n + 1)]
-    for nbytes, producer, _freed_after, _users in made:
-        for start in range(0, producer + 1):
-            for stop in range(producer + 2, n):  # past the producer's own output (x_bytes), before the last block
-                table[start][stop] += int(nbytes)
-    return tuple(map(tuple, table))
+    # Less what the segment holds of the producer's outputs anyway: its pinned or reused output (a skip the
+    # model keeps to the head, seed 379: pinned_out_bytes), which segment_bytes charges already.
+    for producer, row in enumerate(by_producer):
+        for stop, nbytes in enumerate(row):
+            extra = max(0, nbytes - (covered[producer] if covered else 0))
+            for start in range(producer + 1) if extra else ():
+                made[start][stop] += extra
+    return tuple(map(tuple, held)), tuple(map(tuple, replay)), tuple(map(tuple, made))
 
 
 def _freed_inputs(profile: Profile, dropped_in: list[int] | None = None) -> tuple[int, ...]:

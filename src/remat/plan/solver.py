@@ -410,7 +410,10 @@ class _Simulator:
             hold -= self.chain.replay_input_bytes(op.start)
             first = 0 if isinstance(op.inner[0], Recompute) else self.chain.replay_input_bytes(op.start)
             pending = self.chain.replay_above_bytes(op.stop - 1)  # and the RNG state its replay forks
-            self.level += hold + pending  # the replay runs when the backward reaches the last block
+            # A late input it made, which segment_bytes charges, was freed in the forward: not under the
+            # replay, whose own kept blocks charge it again (NOTE [ Late inputs made inside a segment ]).
+            made = self.chain.late_made_bytes(op.start, op.stop)
+            self.level += hold + pending - made  # the replay runs when the backward reaches the last block
             outer_kept, self.kept_run = self.kept_run, set()  # a replay keeps its own blocks only
             for i, inner_op in enumerate(op.inner):
                 self.forward(inner_op, replay=True, discard=freed if i == last else 0)
@@ -423,7 +426,9 @@ class _Simulator:
                 self.backward(op.inner[i], discard=freed if i == last else 0)
             self.kept_run = outer_kept
             self.level -= hold + first
-            self.level -= self.chain.segment_bytes(op.start, op.stop) - self.chain.late_held_bytes(op.start, op.stop)
+            self.level -= (
+                self.chain.segment_bytes(op.start, op.stop) - self.chain.late_held_bytes(op.start, op.stop) - made
+            )
             # What it held through the forward only left at the head (top level) or was never held (replay).
             self.level += self.chain.segment_fwd_only_bytes(op.start, op.stop) - self.fwd_only.pop(id(op), 0)
             self.level -= late_held
@@ -690,13 +695,7 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
     # The head after a checkpoint s..n-1 runs Chain.head_freed_bytes(s) higher (the rest k = n of (s, n)).
     head_units = [_ceil_div(held[n] + slack[n] + chain.head_freed_bytes(s), u) for s in range(n + 1)]
     inner_units = [_ceil_div(held[k], u) for k in range(n + 1)]
-    hold_units = [
-        [
-            _ceil_div(chain.replay_hold_bytes(s, k) - chain.replay_input_bytes(s), u) if k > s else 0
-            for k in range(n + 2)
-        ]
-        for s in range(n + 1)
-    ]
+    hold_units = [[_ceil_div(_replay_hold(chain, s, k), u) if k > s else 0 for k in range(n + 2)] for s in range(n + 1)]
     # A range s..t with t < n is only ever the inner plan of a checkpoint ending at t (or part of one):
     # its forwards run in the replay, above the gradients pending at t's backward; its backwards do not.
     pending = [chain.replay_above_bytes(t) for t in range(n)] + [0]  # the top level (t = n) is no replay
@@ -842,6 +841,15 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
                     later_replay = max(
                         later_replay, int(chain.replay_fwd_peak_bytes[s + 1]) + int(chain.x_bytes[s + 1])
                     )
+                    if chain.late_inputs:
+                        # A late input s..q-1 made and took, alive at q's forward (NOTE [ Late inputs made
+                        # inside a segment ]): it depends on s, so over every q again.
+                        for q in range(s + 1, t + 1):
+                            made = chain.late_made_bytes(s, q)
+                            if made:
+                                x_q = int(chain.x_bytes[q]) + made
+                                later = max(later, int(chain.fwd_peak_bytes[q]) + x_q)
+                                later_replay = max(later_replay, int(chain.replay_fwd_peak_bytes[q]) + x_q)
                 if not chain.startable[s]:  # it may be recomputed only with the block before it
                     shifted[s, t + 1] = _INF
                     continue
@@ -991,22 +999,32 @@ def _held(chain: Chain) -> list[int]:
                 + through
                 - int(chain.unsaved_input_bytes[k - 1])
                 + chain.late_held_bytes(s, k)
-                - own_late,
+                - own_late
+                # Made inside and held by the model's code (NOTE [ Late inputs made inside a segment ]).
+                + chain.late_made_bytes(s, k),
             )
         out.append(chain.segment_bytes(k - 1, k) + max(0, best))
     return out
 
 
 def _hold_table(chain: Chain) -> npt.NDArray[np.int64]:
-    """``[s, k]``: what the replay of a checkpoint ``s..k-1`` runs above from its start (``Chain.replay_hold_bytes``
-    less the first block's freed input, ``Chain.replay_input_bytes``, charged from the end of its replayed
-    forward on; 0 for ``k <= s``)."""
+    """``[s, k]``: what the replay of a checkpoint ``s..k-1`` runs above from its start (:func:`_replay_hold`;
+    0 for ``k <= s``)."""
     n = chain.n
     out = np.zeros((n + 1, n + 1), dtype=np.int64)
     for s in range(n):
         for k in range(s + 1, n + 1):
-            out[s, k] = chain.replay_hold_bytes(s, k) - chain.replay_input_bytes(s)
+            out[s, k] = _replay_hold(chain, s, k)
     return out
+
+
+def _replay_hold(chain: Chain, s: int, k: int) -> int:
+    """What the replay of a checkpoint ``s..k-1`` runs above from its start, bytes: ``Chain.replay_hold_bytes``
+    less the first block's freed input (``Chain.replay_input_bytes``, charged from the end of its replayed
+    forward on), less the late inputs it made that ``Chain.segment_bytes`` charges and the forward freed
+    (NOTE [ Late inputs made inside a segment ]; the replay's own kept blocks charge them again), as the
+    simulator's backward."""
+    return chain.replay_hold_bytes(s, k) - chain.replay_input_bytes(s) - chain.late_made_bytes(s, k)
 
 
 def _start_kept_peak(way: _PeakWay, first: int, grads: int, rest: int, pending: int) -> int:
@@ -1071,8 +1089,11 @@ def _peak_table(
             nosave[s, k] = _BIG if blocked else running + int(chain.ckpt_state_bytes)
             nosave_replay[s, k] = _BIG if blocked else running_replay + int(chain.ckpt_state_bytes)
             if k < n:
-                running = max(running, int(chain.fwd_peak_bytes[k]) + int(chain.x_bytes[k]))
-                running_replay = max(running_replay, int(chain.replay_fwd_peak_bytes[k]) + int(chain.x_bytes[k]))
+                # A late input made inside and held by the model's code is alive there too (NOTE [ Late
+                # inputs made inside a segment ]).
+                made = chain.late_made_bytes(s, k)
+                running = max(running, int(chain.fwd_peak_bytes[k]) + int(chain.x_bytes[k]) + made)
+                running_replay = max(running_replay, int(chain.replay_fwd_peak_bytes[k]) + int(chain.x_bytes[k]) + made)
     # NOTE [ Gradients in the program ]: the backward of s..k-1 runs above the gradients of k..t.
     after = np.asarray(_grads_after(chain), dtype=np.int64)
     pending = np.asarray([chain.replay_above_bytes(t) for t in range(n)] + [0], dtype=np.int64)
