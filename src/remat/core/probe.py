@@ -300,6 +300,9 @@ class Probe:
         # cache holds them until its region exits, whatever the checkpoint (remat.profile.profiler's
         # sub-module saved_bytes leaves them out).
         self.cast_saved: list[dict[int, int]] = [{} for _ in range(n + m)]
+        # The saves of each slot's running call: (pointer, weak reference to what the autograd node holds),
+        # settled when the call returns (NOTE [ Saves of nodes that died in the forward ]).
+        self._saves: list[list[tuple[int, weakref.ref[torch.Tensor]]]] = [[] for _ in range(n + m)]
         self.inputs: list[dict[int, int]] = [{} for _ in range(n + m)]
         self.outputs: list[dict[int, int]] = [{} for _ in range(n + m)]
         # Of each block's outputs, those edited in place after they were made (``_version > 0``: an
@@ -425,6 +428,7 @@ class Probe:
                         self.edits_own_link[index] &= all(id(t) in own for t in edited)
             if self._active and self._active[-1] == slot:
                 self._active.pop()
+            self._settle(slot)
             if self.track and kind is Event.FORWARD_END:
                 lazy = [
                     leaf
@@ -633,12 +637,33 @@ class Probe:
                 return t.detach()
             if ptr not in self.params and not autocast_cached(t, self._cast_mark):
                 cast = autocast_cached(t, 1 << 62)
+                held = t.detach()
+                ref = weakref.ref(held)
                 for slot in self._active:
                     self.saved[slot][ptr] = size
+                    self._saves[slot].append((ptr, ref))
                     if cast:
                         self.cast_saved[slot][ptr] = size
-                return (t.detach(), tuple(self._active))
+                return (held, tuple(self._active))
         return t.detach()
+
+    # NOTE [ Saves of nodes that died in the forward ]
+    # A node may save a tensor and die before the forward that made it returns: ``x.amax(-1).detach()``
+    # (performer-pytorch's FAVOR+ feature maps: amax saves its input and its result, and the node goes with
+    # the undetached result at once), an unused statistic, a dead branch. What it saved is held by nothing
+    # (the input is freed after the next op), so checkpointing the module frees none of it. Counted as saved,
+    # every plan checkpointing PerformerLM's attention sub-modules alone was predicted low by the two
+    # feature maps and their maxima (180,256 B per sub-module; the smallest plan measured 1.053x its budget),
+    # and identical layers' sub-module saved bytes differed where the allocator reused a dead save's address.
+    # So a slot keeps, when its call returns, only the storages that a save still alive then holds (as
+    # ``remat.profile.ops`` settles its per-op saves at the block's end); one saved earlier at an address
+    # a live save reuses counts once, with the later size.
+    def _settle(self, slot: int) -> None:
+        saves, self._saves[slot] = self._saves[slot], []
+        alive = {ptr for ptr, ref in saves if ref() is not None}
+        for ptr in {ptr for ptr, _ in saves} - alive:
+            self.saved[slot].pop(ptr, None)
+            self.cast_saved[slot].pop(ptr, None)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, tuple):

@@ -1264,10 +1264,17 @@ def _assemble(
         plain_ms = block_ms(i, "plain")
         # NOTE [ Sub-module recomputation peak ]: where each sub-module's backward starts, and the order.
         first_sub = sub_index
+        # NOTE [ A sub-module returning the block's output ]: a sub-module whose output is the block's own
+        # (performer-pytorch's PreLayerNorm returns its attention's output) has its backward hook on the same
+        # tensor, registered first (its forward returned first), so it fires just before the block's: with no
+        # allocation between the two, its backward starts with the block's. Left out as not seen, the last
+        # PerformerLM layer's attention was charged ``bp + saved``, below its recomputation's rise (measured
+        # 169,544 B over its prediction, the smallest plan 1.045x its budget).
         sub_bwd = {
-            j: marks[f"{Event.SUB_BACKWARD}{j}"]
+            j: max(t, b0)
             for j in range(first_sub, first_sub + len(b.attention_fqns) + len(b.ffn_fqns))
-            if f"{Event.SUB_BACKWARD}{j}" in marks and b0 <= marks[f"{Event.SUB_BACKWARD}{j}"] <= b1
+            if (t := marks.get(f"{Event.SUB_BACKWARD}{j}")) is not None
+            and (b0 <= t <= b1 or (t < b0 and bisect_right(trace.t_ns, t) == bisect_right(trace.t_ns, b0)))
         }
         bwd_rank = {j: r for r, j in enumerate(sorted(sub_bwd, key=lambda j: (sub_bwd[j], j)))}
         bwd_level = trace.level_at(f1) + grads_before  # the reference of bwd_peak_bytes below
