@@ -493,7 +493,9 @@ class Chain:
         for several blocks the last one's ``freed_input_bytes`` too: ``pending_grad_bytes`` is measured
         against the level at the end of its forward, which still held that input, so it nets its free,
         while a segment never held it (made inside the segment: GPT-NeoX's attention output, freed by the
-        attention dropout's gap). That one is on the safe side through the inner backward."""
+        attention dropout's gap). That one is on the safe side through the inner backward. So, for several
+        blocks, are the late inputs made inside the segment before its last block that the plain step frees
+        after it, in the forward (NOTE [ Late inputs made inside a segment ])."""
         last = stop - 1
         # Inputs the plain step frees inside one of its blocks' backward, which the checkpoint holds to its
         # end (NOTE [ Inputs held to the sub-module's backward end ] in remat.profile.profiler).
@@ -509,6 +511,29 @@ class Chain:
             + self.late_replay_bytes(start, stop)
             - min(at_last, int(self.freed_input_bytes[last]))
             + held_bwd
+            + self.late_netted_bytes(start, stop)
+        )
+
+    def late_netted_bytes(self, start: int, stop: int) -> int:
+        """Bytes of the late inputs made inside a segment ``start..stop-1`` by a block before its last (or the
+        code after it) that the plain step frees after the last block, in the forward (``freed_after >= stop``,
+        the head included), bytes.
+
+        # NOTE [ Late inputs made inside a segment ]
+        ``pending_grad_bytes[stop - 1]`` is measured against the level at the end of the last block's forward,
+        which holds such a tensor (``saved[0] = h`` for a skip, a Sequential's ``input`` kept by the caller), so
+        it nets its free before the backward; under the segment it is gone by the replay in the real step
+        (freed in the forward by the code that held it) and not on the level the simulator tracks there (what
+        ``segment_bytes`` charges of it, ``late_made_bytes``, the simulator takes off before the replay): the
+        replay runs that much higher than ``pending_grad_bytes`` says. Not one the last block makes (its output, ``x_bytes[stop]``,
+        is on the level, netting the same free), nor one freed in its gap (``freed_input_bytes``, counted once).
+        Without it, fuzz seed 2058's R[0:2](K0 K1) over blocks taking ``x * scale`` (block 0's output alive until
+        block 1 returns) measured 1.074x its budget."""
+        last = stop - 1
+        return sum(
+            int(nbytes)
+            for nbytes, producer, freed_after, _ in self.late_inputs
+            if start <= producer < last and freed_after > last and nbytes > 0
         )
 
 
@@ -687,6 +712,42 @@ def _dead_branches(bps: tuple[BlockProfile, ...]) -> tuple[tuple[int, int, int, 
     return tuple(out)
 
 
+def _pending_grads(
+    bps: tuple[BlockProfile, ...], gap_in: list[int], drop_bp: list[int], dead_bp: list[int]
+) -> tuple[int, ...]:
+    """``Chain.pending_grad_bytes``: per block, how far above the level the chain tracks the replay of a segment
+    ending with it starts (NOTE [ Pending gradients above the chain's level ]), bytes."""
+    out = []
+    for i, b in enumerate(bps):
+        booked = gap_in[i] + drop_bp[i] + dead_bp[i]
+        if b.bwd_level_bytes is None or not booked:
+            out.append(b.pending_grad_bytes)
+            continue
+        # Measured at the first unpack where that is above the backward's start (NOTE [ Replay level ] in
+        # remat.profile.profiler), unclipped then; else only the start's level is known unclipped.
+        measured = b.pending_grad_bytes if b.pending_grad_bytes > 0 else b.bwd_level_bytes
+        out.append(max(b.pending_grad_bytes, measured + booked))
+    return tuple(out)
+
+
+# NOTE [ Pending gradients above the chain's level ]
+# ``BlockProfile.pending_grad_bytes`` is measured against the level at the end of the block's forward in the
+# plain step. Where the chain books a tensor alive there as freed earlier (``_dropped``: a dropped output, a
+# dead branch, freed by the chain right after their block, by the plain step later in the forward), the level
+# the chain tracks at the backward's start lacks it, and the measured difference nets its free: a segment
+# ending with the block replays that much higher than measured (``drop_bp``, ``dead_bp``; ``gap_in``: what the
+# chain no longer frees in the block's gap). R[0:4](K0 K1 K2 K3) over layers returning an aux output the model
+# drops measured 1.20x its prediction with the dead branches left out. A dropped output alone is the same: the
+# last block's output that the head drops (fuzz seed 2058: ``h`` rebound by a parameter-free block folded into
+# the head; ``x_bytes[n]`` is 0, so the segment's level lacks it, while the gradient of that output is
+# pending at the replay) measured R[0:2](K0 K1) at 1.080x its budget when only dead branches were added
+# back. The base is the measured ``pending_grad_bytes`` (read at the first unpack where the backward allocates
+# before it, NOTE [ Replay level ]: seed 2175's ``softmax(x) * d`` as the last op allocates the gradient of
+# the softmax's output, 98 KiB, before the replay; from ``bwd_level_bytes``, the backward's start, K0
+# R[1:2](K1) measured 1.140x); where that was clipped at 0, the start's level (``bwd_level_bytes``) is the
+# only unclipped reading.
+
+
 def _passes_through(bp: BlockProfile) -> bool:
     """Whether a block returns only tensors it was given (``nn.Identity``, a DropPath with ``p=0``)."""
     return bp.own_output_bytes == 0 < bp.output_bytes
@@ -794,20 +855,8 @@ def chain_of(profile: Profile) -> Chain:
         gap_freed_output_bytes=tuple(b.gap_freed_output_bytes for b in bps) + (0,),
         released_bytes=_released(profile, joinable, gap_in) + (0,),
         dead_branches=_dead_branches(bps),
-        # Where a dead branch is alive after a block's forward, the level the chain tracks at its backward's
-        # start lacks what it booked as freed right after the block (or an earlier one) that the plain step
-        # frees later in the forward (_dropped: dead branches, and the dropped outputs beside them); the real
-        # level there is the measured one, which may hold what the head keeps (its saved input, the gradient
-        # of the last block's output) above the chain's level: a segment ending with the block replays above
-        # it (R[0:4](K0 K1 K2 K3) over layers returning an aux output the model drops measured 1.20x its
-        # prediction without).
-        pending_grad_bytes=tuple(
-            max(b.pending_grad_bytes, b.bwd_level_bytes + gap_in[i] + drop_bp[i] + dead_bp[i])
-            if b.bwd_level_bytes is not None and (dead_in[i] or dead_bp[i])
-            else b.pending_grad_bytes
-            for i, b in enumerate(bps)
-        )
-        + (0,),
+        # NOTE [ Pending gradients above the chain's level ] (_pending_grads).
+        pending_grad_bytes=_pending_grads(bps, gap_in, drop_bp, dead_bp) + (0,),
         rng_copy_bytes=tuple(profile.ckpt_state_bytes if b.fresh_rng else 0 for b in bps) + (0,),
         # A block the backward does not reach (BlockProfile.backward) frees what it saves with its graph, not
         # in a backward: recomputing it saves nothing the model above can count, so it is kept.
