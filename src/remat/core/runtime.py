@@ -2101,7 +2101,11 @@ def _invoke(
             f"apply: module {role.name!r} takes a {type(lazy[0]).__name__} (an iterator), which its forward "
             "consumes, so a recomputation cannot call it again as the forward did; pass a tuple or a list"
         )
+    earlier = _LOCAL.last_rng() if _LOCAL.last_rng is not None else None
     rng = _rng_state(flat, role.generators)
+    # NOTE [ One RNG state per segment ]: a state shared with an earlier call is held by that call's
+    # recording; where the next call is a member of a span of this one, it keeps the reference (below).
+    shared = earlier is not None and rng.cpu is earlier
     guard = _StateGuard(module, role, flat)
     params = _param_refs(module, role)
     buffer_slots = _buffer_refs(module, role)
@@ -2161,10 +2165,19 @@ def _invoke(
         else None
     )
     end_rng = _digest(torch.get_rng_state()) if any(pos + 1 < span.size for span, pos in spans) else None
+    # NOTE [ One RNG state per segment ]
+    # The cost model charges one RNG state per checkpoint (Chain.ckpt_state_bytes, in segment_bytes) and a copy
+    # per later call of a segment only after a draw (Chain.rng_copy_bytes): with no draw in between, a nested
+    # checkpoint that starts inside a segment shares the segment's state. A non-first member's call that
+    # shared it used to drop the reference here, so the next call made a fresh copy; a nested checkpoint at
+    # the third position or later (fuzz seed 366, ``R[0:4](K0 K1 R[2:3](K2) K3)``) then held a second state
+    # from the forward to its backward, charged nowhere: 1.168x the budget with two of them. The reference is
+    # dropped only where the next call starts a new top-level segment, as the model charges.
     if (
         _LOCAL.last_rng is not None
         and _LOCAL.last_rng() is rng.cpu
         and all(frame.calls[index].rng.cpu is None for frame, index in recorded)
+        and not (shared and any(pos + 1 < span.size for span, pos in spans))
     ):
         _LOCAL.last_rng = None  # no recording keeps this call's state: do not hold it past the call
     for (frame, index), (span, position) in zip(recorded, spans):
