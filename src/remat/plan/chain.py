@@ -258,6 +258,7 @@ class Chain:
     joinable: tuple[bool, ...] = ()
     reached: tuple[bool, ...] = ()
     late_inputs: tuple[tuple[int, int, int, tuple[int, ...]], ...] = ()
+    code_held_inputs: tuple[tuple[int, int, int, tuple[int, ...], bool], ...] = ()
     held_input_bwd_bytes: tuple[int, ...] = ()
     # Per block, the rise of the code before it above the level at its start (included in fwd_peak_bytes;
     # a sub-module checkpoint does not lower it).
@@ -328,7 +329,7 @@ class Chain:
             f.name: len(v)
             for f in fields(self)
             if f.init
-            and f.name not in ("late_inputs", "dead_branches")
+            and f.name not in ("late_inputs", "code_held_inputs", "dead_branches")
             and isinstance(v := getattr(self, f.name), tuple)
         }
         if len(set(sizes.values())) != 1 or next(iter(sizes.values())) < 1:
@@ -353,7 +354,7 @@ class Chain:
         object.__setattr__(self, "_rng_copies", tuple(itertools.accumulate(map(int, self.rng_copy_bytes), initial=0)))
         # What a segment charges of its blocks' outputs anyway (pout, re; _late_tables takes it off late_made).
         covered = [int(self.pinned_out_bytes[q]) + int(self.reused_bytes[q]) for q in range(n + 1)]
-        held, replay, made = _late_tables(self.late_inputs, n, covered)
+        held, replay, made = _late_tables(self.late_inputs, n, covered, self.code_held_inputs)
         object.__setattr__(self, "_late_held", held)
         object.__setattr__(self, "_late_replay", replay)
         object.__setattr__(self, "_late_made", made)
@@ -438,6 +439,37 @@ class Chain:
         block after the segment credits (``gap_bytes``); the segment charges them from its end to its
         backward, whose replay runs without them (its kept blocks charge them again)."""
         return self._late_made[start][stop] if self._late_made else 0
+
+    def code_held_frees(self, start: int, stop: int) -> tuple[tuple[int, int], ...]:
+        """``(block, bytes)`` of what ``late_made_bytes(start, stop)`` charges for ``code_held_inputs``, per
+        block after whose forward (and forward peak) the model's code has freed it: ``freed_after`` when it
+        frees it before the code after that block allocates, else the next block (the head's is ``n``). The
+        plain step saves such a tensor to the backward, so no kept block's ``gap_bytes`` credits that free; the
+        simulator takes it off the level there (NOTE [ Outputs the model's code holds past their saving taker ]
+        in ``remat.profile.profiler``). Of each producer's bytes, ``pinned_out_bytes`` + ``reused_bytes`` less
+        the plain step's late inputs are taken off first (``late_made_bytes`` takes them off the sum)."""
+        n = self.n
+        out: dict[int, int] = {}
+        for p in range(start, stop):
+            recs = sorted(
+                (fa if first else fa + 1, nb)
+                for nb, prod, fa, users, first in self.code_held_inputs
+                if prod == p and nb > 0 and users and max(users) < stop <= min(fa, n - 1)
+            )
+            if not recs:
+                continue
+            plain = sum(
+                int(nb)
+                for nb, prod, fa, users in self.late_inputs
+                if prod == p and nb > 0 and users and min(users) > p and max(users) < stop <= min(fa, n - 1)
+            )
+            absorb = max(0, int(self.pinned_out_bytes[p]) + int(self.reused_bytes[p]) - plain)
+            for fa, nb in reversed(recs):  # what the segment holds anyway: the longest held first
+                take = min(absorb, int(nb))
+                absorb -= take
+                if nb - take > 0 and fa <= n:
+                    out[fa] = out.get(fa, 0) + int(nb) - take
+        return tuple(sorted(out.items()))
 
     def late_records(
         self, start: int, stop: int
@@ -578,18 +610,29 @@ def _freed_output_held(chain: Chain, q: int) -> int:
 
 
 def _late_tables(
-    late: tuple[tuple[int, int, int, tuple[int, ...]], ...], n: int, covered: list[int] | None = None
+    late: tuple[tuple[int, int, int, tuple[int, ...]], ...],
+    n: int,
+    covered: list[int] | None = None,
+    code_held: tuple[tuple[int, int, int, tuple[int, ...], bool], ...] = (),
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
     """``[start][stop]`` tables of ``Chain.late_held_bytes``, ``Chain.late_replay_bytes`` and
     ``Chain.late_made_bytes`` (empty without late inputs; ``covered[p]``: what a segment over block ``p``
-    and the next charges of ``p``'s outputs anyway, ``pinned_out_bytes`` and ``reused_bytes``)."""
-    if not late:
+    and the next charges of ``p``'s outputs anyway, ``pinned_out_bytes`` and ``reused_bytes``; ``code_held``:
+    ``Chain.code_held_inputs``, charged to ``late_made`` only)."""
+    if not late and not code_held:
         return (), (), ()
     # stop runs to n + 1: the solver's tables ask for one past the head (never a segment: 0).
     held = [[0] * (n + 2) for _ in range(n + 1)]
     replay = [[0] * (n + 2) for _ in range(n + 1)]
     made = [[0] * (n + 2) for _ in range(n + 1)]
     by_producer = [[0] * (n + 2) for _ in range(n + 1)]
+    for nbytes, producer, freed_after, users, _ in code_held:
+        # Saved by its taker in the plain step: only a segment making and taking it charges it (NOTE [ Outputs
+        # the model's code holds past their saving taker ] in remat.profile.profiler).
+        ordered = sorted(u for u in users if 0 <= u < n)
+        if ordered and nbytes > 0 and 0 <= producer < ordered[0]:
+            for stop in range(ordered[-1] + 1, min(freed_after, n - 1) + 1):
+                by_producer[producer][stop] += nbytes
     for nbytes, producer, freed_after, users in late:
         ordered = sorted(u for u in users if 0 <= u < n)
         if not ordered or nbytes <= 0:
@@ -877,6 +920,9 @@ def chain_of(profile: Profile) -> Chain:
         reached=tuple(b.backward for b in bps) + (True,),
         grad_bytes=tuple(b.grad_bytes for b in bps) + (profile.head_grad_bytes,),
         late_inputs=tuple((li.nbytes, li.producer, li.freed_after, tuple(li.users)) for li in profile.late_inputs),
+        code_held_inputs=tuple(
+            (li.nbytes, li.producer, li.freed_after, tuple(li.users), li.freed_first) for li in profile.code_held_inputs
+        ),
         held_input_bwd_bytes=tuple(b.held_input_bwd_bytes for b in bps) + (0,),
         gap_rise_bytes=(0,) + tuple(_gap_rise(b) for b in bps[:-1]) + (0,),
     )

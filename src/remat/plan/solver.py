@@ -281,6 +281,10 @@ class _Simulator:
         # What the top-level segments hold through the forward only (Chain.segment_fwd_only_bytes): per
         # checkpoint, the bytes still on the level; dropped at the head.
         self.fwd_only: dict[int, int] = {}
+        # Code-held tensors a top-level segment made, freed after a later kept block (Chain.code_held_frees): per
+        # block, (checkpoint, bytes); per checkpoint, the bytes already taken off the level.
+        self.code_frees: dict[int, list[tuple[int, int]]] = {}
+        self.code_freed: dict[int, int] = {}
 
     def _late(self, op: Recompute) -> tuple[int, tuple[int, ...]]:
         """What a checkpoint charges for the late inputs it holds from its end that no open checkpoint
@@ -352,15 +356,35 @@ class _Simulator:
             fwd_only = c.segment_fwd_only_bytes(op.start, op.stop)
             if replay:
                 self.level -= fwd_only
+                # A replay runs its blocks without the model's code between them: nothing holds them.
+                gone = sum(nbytes for _, nbytes in c.code_held_frees(op.start, op.stop))
+                self.level -= gone
+                self.code_freed[id(op)] = gone
             else:
                 self.fwd_only[id(op)] = fwd_only
+                # Taken off after that block's forward, at the top level (a replay's, a later segment's: held).
+                for after, nbytes in c.code_held_frees(op.start, op.stop):
+                    self.code_frees.setdefault(after, []).append((id(op), nbytes))
+                # Those an earlier segment made that the code freed inside this one: gone by its end.
+                for q in range(op.start, op.stop):
+                    self._code_free(q)
             return
         keep, fwd_peak, _ = self._block_sizes(op, replay)
         self._rise(fwd_peak - self._absent_dead(op.index))
         self.kept_run.add(op.index)
         self.level += keep - discard - self._open_held(op)
+        if not replay:
+            self._code_free(op.index)
         if replay:
             self.extra_ms += float(c.fwd_ms[op.index])
+
+    def _code_free(self, q: int) -> None:
+        """Takes off the level the code-held tensors freed in the code before block ``q`` (the head's for
+        ``q = n``), once its forward has peaked (NOTE [ Outputs the model's code holds past their saving
+        taker ] in ``remat.profile.profiler``)."""
+        for key, nbytes in self.code_frees.pop(q, ()):
+            self.level -= nbytes
+            self.code_freed[key] = self.code_freed.get(key, 0) + nbytes
 
     def _absent_dead(self, q: int) -> int:
         """The part of block ``q``'s forward peak (the head's for ``q = n``) owed to dead branches of blocks not
@@ -413,7 +437,8 @@ class _Simulator:
             # A late input it made, which segment_bytes charges, was freed in the forward: not under the
             # replay, whose own kept blocks charge it again (NOTE [ Late inputs made inside a segment ]).
             made = self.chain.late_made_bytes(op.start, op.stop)
-            self.level += hold + pending - made  # the replay runs when the backward reaches the last block
+            gone = self.code_freed.pop(id(op), 0)  # taken off where the model's code freed it
+            self.level += hold + pending - made + gone  # the replay runs when the backward reaches the last block
             outer_kept, self.kept_run = self.kept_run, set()  # a replay keeps its own blocks only
             for i, inner_op in enumerate(op.inner):
                 self.forward(inner_op, replay=True, discard=freed if i == last else 0)
@@ -448,6 +473,7 @@ class _Simulator:
         extra = c.head_freed_bytes(last.start) if isinstance(last, Recompute) else 0
         self.level += extra
         self._rise(c.fwd_peak_bytes[n] - self._absent_dead(n))
+        self._code_free(n)
         self.level += c.keep_bytes[n]
         self._rise(c.bwd_peak_bytes[n])
         self.level -= c.keep_bytes[n]
@@ -841,7 +867,7 @@ def _fill(chain: Chain, unit_bytes: int, top_units: int, nested: bool, variants:
                     later_replay = max(
                         later_replay, int(chain.replay_fwd_peak_bytes[s + 1]) + int(chain.x_bytes[s + 1])
                     )
-                    if chain.late_inputs:
+                    if chain.late_inputs or chain.code_held_inputs:
                         # A late input s..q-1 made and took, alive at q's forward (NOTE [ Late inputs made
                         # inside a segment ]): it depends on s, so over every q again.
                         for q in range(s + 1, t + 1):

@@ -27,12 +27,15 @@ class LateInput(NamedTuple):
         freed_after: The block after whose forward the plain step frees it: in the code before the next
             block, or in that block's forward; ``n`` (the number of blocks) for the head.
         users: The blocks that take it, in order.
+        freed_first: Freed before the code after ``freed_after`` allocates anything (the model's code returns
+            before it goes on); recorded for ``Profile.code_held_inputs`` only.
     """
 
     nbytes: int
     producer: int
     freed_after: int
     users: tuple[int, ...]
+    freed_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -295,6 +298,9 @@ class Profile:
             for op-level policies; empty when profiled with ``ops=False``.
         late_inputs: Block inputs the plain step frees in the forward after the block that takes them
             last (:class:`LateInput`; inputs made between blocks excepted: ``unlinked_bytes``).
+        code_held_inputs: Block outputs that the model's code holds after the last block that takes them, which
+            saves them in the plain step (:class:`LateInput`, measured with the blocks saving nothing;
+            NOTE [ Outputs the model's code holds past their saving taker ] in ``remat.profile.profiler``).
     """
 
     schema_version: ClassVar[int] = 1
@@ -323,6 +329,7 @@ class Profile:
     optimizer_ms: float = 0.0
     block_ops: tuple[BlockOps, ...] = ()
     late_inputs: tuple[LateInput, ...] = ()
+    code_held_inputs: tuple[LateInput, ...] = ()
 
     def sub_costs(self) -> dict[tuple[int, tuple[str, ...]], tuple[int, float, int, int]]:
         """For ``RecomputeSub``: (bytes freed, recompute ms, bytes its backward peak moves by beyond the
