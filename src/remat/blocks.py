@@ -16,7 +16,7 @@ import itertools
 import textwrap
 import types
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
@@ -853,6 +853,39 @@ def looped_hint(model: nn.Module, block: Block) -> str:
         f"{block.name!r} is an nn.Sequential: a model that loops over its layers or indexes them "
         f"(for b in self.{block.fqns[0].rsplit('.', 1)[-1]}: x = b(x)) runs them, never the Sequential itself; if so, choose its "
         f"layers as blocks (include='{block.fqns[0]}.*', with the other blocks); otherwise, "
+    )
+
+
+# NOTE [ Why a block did not run ]
+# A block the forward never calls gets one refusal whatever the cause, so its message says which cause
+# it was. The op profile's forward records every module called (a global forward pre-hook, for that one
+# forward): where no module inside the block ran either, the forward never uses it (reformer-pytorch keeps
+# an ``irrev_blocks`` stack beside the reversible blocks it runs); where modules inside it ran, the model
+# called its children or its methods without its ``__call__`` (a loop over an nn.Sequential's layers,
+# ``layer.forward(x)``, vit-pytorch's hyper-connections, whose methods the forward calls).
+
+
+def unrun_hint(model: nn.Module, block: Block, called: Collection[int]) -> str:
+    """Why ``block`` did not run through its ``__call__`` when ``called`` holds the ``id`` of every module
+    the forward called (NOTE [ Why a block did not run ]): a sentence ending in ``"otherwise, "``, or
+    ``""`` when its modules cannot be found."""
+    try:
+        roots = [model.get_submodule(f) for f in block.fqns]
+    except AttributeError:
+        return ""
+    ran = [
+        f"{f}.{n}" if n else f for f, root in zip(block.fqns, roots) for n, m in root.named_modules() if id(m) in called
+    ]
+    if not ran:
+        return (
+            f"neither {block.name!r} nor any module inside it ran in this forward; if the forward never uses it (a "
+            "model may hold a stack it does not call, as reformer-pytorch's irrev_blocks beside the reversible "
+            "blocks it runs), choose blocks the forward calls (include=..., named=...); otherwise, "
+        )
+    return looped_hint(model, block) or (
+        f"modules inside {block.name!r} ran ({', '.join(map(repr, ran[:3]))}) but not {block.name!r} itself: "
+        "the model calls its children or its methods without its __call__; choose modules it calls as blocks "
+        f"(include='{block.fqns[0]}.*'); otherwise, "
     )
 
 

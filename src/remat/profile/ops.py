@@ -48,11 +48,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from remat._json import Reader
-from remat.blocks import Block, looped_hint, resolve
+from remat.blocks import Block, resolve, unrun_hint
 from remat.core.runtime import suspended
 from remat.core.selective import OpKeys, op_name
 from remat.core.trace import call_loss, call_model, preserved
@@ -501,6 +502,8 @@ def _one_forward(
 
         handles.append(mods[0].register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mods[-1].register_forward_hook(post, always_call=True))
+    called: set[int] = set()  # NOTE [ Why a block did not run ] in remat.blocks
+    handles.append(register_module_forward_pre_hook(lambda m, _args: called.add(id(m))))
     try:
         with (
             higher_order_refused(
@@ -520,7 +523,7 @@ def _one_forward(
     if missing:
         raise BlockSelectionError(
             f"profile: block {missing[0].name!r} did not run in the forward of {type(model).__name__}: "
-            f"{looped_hint(model, missing[0])}the model skipped "
+            f"{unrun_hint(model, missing[0], called)}the model skipped "
             "it (an early exit, layers skipped at random as with LayerDrop: HF's layerdrop / encoder_layerdrop, a "
             "child its layer calls only under an option or on some calls: x-transformers' optional projections "
             "with split=True, DPT's first fusion layer without its first residual layer) or called its forward "
