@@ -276,6 +276,10 @@ class Chain:
     # before its peak, which does not happen either where the branch never existed: there it takes off
     # ``late`` only, what the head frees after its peak (BlockProfile.dead_head_late_bytes).
     dead_branches: tuple[tuple[int, int, int, int], ...] = ()
+    # Per block, the part of its own output (x_bytes[k + 1]) that no later block takes and the model's code
+    # drops in the forward, which the block saves when kept (HF's attention weights): gone when a segment
+    # ending with it replays (NOTE [ Side outputs of a segment's last block ]; default 0).
+    side_output_bytes: tuple[int, ...] = ()
     # Derived in __post_init__: n, and prefix sums over the blocks for segment_bytes.
     _n: int = field(init=False, repr=False, compare=False)
     _inside: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -308,6 +312,7 @@ class Chain:
             "grad_bytes",
             "held_input_bwd_bytes",
             "gap_rise_bytes",
+            "side_output_bytes",
         ):
             if not getattr(self, name):
                 object.__setattr__(self, name, (0,) * len(self.fwd_ms))
@@ -530,8 +535,12 @@ class Chain:
         after it, in the forward (NOTE [ Late inputs made inside a segment ])."""
         last = stop - 1
         # Inputs the plain step frees inside one of its blocks' backward, which the checkpoint holds to its
-        # end (NOTE [ Inputs held to the sub-module's backward end ] in remat.profile.profiler).
-        held_bwd = sum(int(self.held_input_bwd_bytes[q]) for q in range(start, stop))
+        # end (NOTE [ Inputs held to the sub-module's backward end ] in remat.profile.profiler); less the
+        # side outputs of the last block that segment_bytes charges and the model's code dropped (NOTE [ Side
+        # outputs of a segment's last block ]).
+        held_bwd = sum(int(self.held_input_bwd_bytes[q]) for q in range(start, stop)) - int(
+            self.side_output_bytes[last]
+        )
         if last == start:
             return int(self.freed_input_bytes[start]) + self.late_replay_bytes(start, stop) + held_bwd
         # A late input freed in the last block's gap is that block's freed_input_bytes too: counted once.
@@ -835,6 +844,10 @@ def chain_of(profile: Profile) -> Chain:
         )
         for i, b in enumerate(bps)
     )
+    out_free = [
+        max(0, min(b.output_bytes - b.output_saved_bytes, b.own_output_bytes - b.output_saved_bytes)) - drop_out[i]
+        for i, b in enumerate(bps)
+    ]
     return Chain(
         fwd_ms=tuple(b.fwd_ms for b in bps) + (profile.head_ms,),
         bwd_ms=tuple(b.bwd_ms for b in bps) + (0.0,),
@@ -875,11 +888,7 @@ def chain_of(profile: Profile) -> Chain:
         tail_peak_bytes=max(profile.tail_peak_bytes, profile.optimizer_peak_bytes - profile.base_bytes),
         # Only the block's own outputs: an input it passes through (T5's position bias, returned with the
         # hidden state) is the segment's input, which the checkpoint holds (at most own - own saved).
-        out_free_bytes=tuple(
-            max(0, min(b.output_bytes - b.output_saved_bytes, b.own_output_bytes - b.output_saved_bytes)) - drop_out[i]
-            for i, b in enumerate(bps)
-        )
-        + (0,),
+        out_free_bytes=tuple(out_free) + (0,),
         ckpt_fwd_ms=tuple(max(b.ckpt_fwd_ms, b.fwd_ms) for b in bps) + (profile.head_ms,),
         ckpt_call_ms=profile.ckpt_call_ms,
         stop_ms=tuple(b.stop_ms for b in bps) + (0.0,),
@@ -925,4 +934,11 @@ def chain_of(profile: Profile) -> Chain:
         ),
         held_input_bwd_bytes=tuple(b.held_input_bwd_bytes for b in bps) + (0,),
         gap_rise_bytes=(0,) + tuple(_gap_rise(b) for b in bps[:-1]) + (0,),
+        # NOTE [ Side outputs of a segment's last block ] in remat.profile.profiler: what _dropped does not free
+        # already, and never the outputs out_free_bytes takes off the replay (the block's unsaved ones).
+        side_output_bytes=tuple(
+            max(0, min(b.side_output_bytes - drop_out[i], handed[i] - out_free[i])) if i < len(bps) - 1 else 0
+            for i, b in enumerate(bps)
+        )
+        + (0,),
     )

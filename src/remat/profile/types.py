@@ -161,6 +161,10 @@ class BlockProfile:
             or the model's code holds it (GPT-NeoX's attention output, summed after the MLP; a layer's
             first child's output while the next child runs on another input); a segment going on past
             this block holds it too, though it is not the segment's output.
+        side_output_bytes: Bytes of its own outputs that no later block takes, freed by the model's code
+            before the last block's forward ends, in a run where blocks save nothing (HF's attention weights,
+            dropped when the loop rebinds ``outputs``): gone when a segment ending with the block replays
+            (NOTE [ Side outputs of a segment's last block ] in ``remat.profile.profiler``), bytes.
         unlinked_bytes: Bytes of its inputs that are neither the previous block's outputs nor older
             tensors (``x + stage(x)`` made between blocks): a segment going on through it holds them.
         unsaved_input_bytes: The part of ``unlinked_bytes`` that its own forward does not save: the
@@ -221,6 +225,7 @@ class BlockProfile:
     pinned_out_bytes: int = 0
     pinned_fwd_bytes: int = 0
     reused_bytes: int = 0
+    side_output_bytes: int = 0
     unlinked_bytes: int = 0
     unsaved_input_bytes: int = 0
     generator_state_bytes: int = 0
