@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from remat._json import Reader
 from remat.errors import BlockSelectionError
@@ -161,6 +162,27 @@ def _expert_bank(module: nn.Module) -> bool:
     return len(experts) >= 2 and len(set(experts)) == 1
 
 
+def _weight_shape(module: nn.Module) -> tuple[int, ...] | None:
+    """The shape of ``module.weight`` without computing it: a parametrized weight (spectral norm) is read
+    from its original, as evaluating the parametrization runs its forward (spectral norm's power iteration
+    updates its ``_u`` and ``_v`` in training mode), which finding blocks must not do."""
+    if parametrize.is_parametrized(module, "weight"):
+        plist = module.parametrizations["weight"]
+        original = getattr(plist, "original", None)
+        if isinstance(original, torch.Tensor) and not plist.unsafe:
+            return tuple(original.shape)  # a safe parametrization keeps the shape of its one original
+        # Several originals (weight_norm's g and v) or an unsafe one: computed, its state put back.
+        state = [(b, b.detach().clone()) for b in plist.buffers()]
+        with torch.no_grad():
+            weight = getattr(module, "weight", None)
+            for b, value in state:
+                if not torch.equal(b, value):
+                    b.copy_(value)
+        return tuple(weight.shape) if isinstance(weight, torch.Tensor) else None
+    weight = getattr(module, "weight", None)
+    return tuple(weight.shape) if isinstance(weight, torch.Tensor) else None
+
+
 def _widths(module: nn.Module) -> tuple[int, int] | None:
     """(input, output) features of a linear projection, or None.
 
@@ -169,8 +191,8 @@ def _widths(module: nn.Module) -> tuple[int, int] | None:
     """
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
-    nx, nf, weight = getattr(module, "nx", None), getattr(module, "nf", None), getattr(module, "weight", None)
-    if isinstance(nx, int) and isinstance(nf, int) and isinstance(weight, torch.Tensor) and weight.shape == (nx, nf):
+    nx, nf = getattr(module, "nx", None), getattr(module, "nf", None)
+    if isinstance(nx, int) and isinstance(nf, int) and _weight_shape(module) == (nx, nf):
         return nx, nf
     fi, fo = getattr(module, "in_features", None), getattr(module, "out_features", None)
     if (

@@ -1890,12 +1890,28 @@ def _outer_hooks_refused() -> bool:
     return not (where.startswith(_LOSSLESS_HOOKS) or getattr(pack, "__qualname__", "").startswith("save_on_cpu."))
 
 
+def _eager_backend() -> bool:
+    """Whether the graph dynamo traces now runs under a backend that calls torch's checkpoint region eagerly
+    (``backend="eager"``: no AOTAutograd): there torch runs the region with ``preserve_rng_state=False``
+    (``tag_activation_checkpoint_impl``), so a dropout inside draws another mask in the recomputation than
+    in the forward. Run once at trace time only (NOTE [ Under torch.compile ])."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        name = getattr(InstructionTranslator.current_tx().output.compiler_fn, "compiler_name", None)
+    except Exception:  # noqa: BLE001 - torch internals moved: take the eager path, which is always exact
+        return True
+    # torch's "eager" and "eager_debug" ... by name; a backend of the caller's own (torch._dynamo.explain's
+    # graph accumulator, an aot_autograd wrapper) is taken to compile the region as AOTAutograd does.
+    return isinstance(name, str) and name.startswith("eager")
+
+
 def _refused_under_compile(allow_hooks: bool) -> bool:
     """:func:`_outer_hooks_refused` while dynamo traces: a module that ``_compiled`` would trace as torch's
     checkpoint bypasses the hooks as the eager runtime does, so such a call takes the eager path, which
     refuses it. Run once at trace time only: dynamo guards on inlineable (GraphModule) hooks alone, so a
     graph traced without hooks and called later under a caller's Python hooks is not checked again."""
-    return not allow_hooks and _outer_hooks_refused()
+    return (not allow_hooks and _outer_hooks_refused()) or _eager_backend()
 
 
 def _refuse_outer_hooks(role: _Role) -> None:
@@ -2073,7 +2089,12 @@ def _frame_for(span: _Span, position: int) -> _Frame:
         # was freed before the next member, which then started a recording of its own with its argument
         # external, and an in-place edit of it (ReLU(inplace=True) after the frozen layer) was refused
         # (NOTE [ In-place edits of a member's output ]).
-        scope[id(span)] = (weakref.ref(frame), position, None if frame.holders else frame)
+        # The scope holds it to the span's last member whatever it saved: a holder packed for a nested
+        # span's saved inputs (its ``_SaveInputs`` node, on an input that needs no grad) dies with that
+        # span's recording, which ends before this span's, and the recording was then freed before the
+        # next member as above (``R[0:5](R[0:2](K0 K1) K2 K3 K4)`` with 0 and 1 frozen, ReLU(inplace=True)
+        # as 2: refused).
+        scope[id(span)] = (weakref.ref(frame), position, frame)
     return frame
 
 
