@@ -380,14 +380,16 @@ class Chain:
         the model's code holds it to the head, which frees it after the segment's end, so it is charged
         here, through the head, not by ``segment_bytes``). Without
         this, a plan ending in such a segment ran over its prediction and budget by that much (an e3nn
-        ``o3.Linear`` as the last block, which saves a copy of its input, not the input: 1.09x)."""
+        ``o3.Linear`` as the last block, which saves a copy of its input, not the input: 1.09x). Not an
+        input made between blocks (``producer in users``: the segment holds it as ``unlinked_bytes``; NOTE
+        [ Unlinked inputs taken again later ] in ``remat.profile.profiler``)."""
         if not self.n:
             return 0
         fi = int(self.freed_input_bytes[self.n - 1]) if self.freed_input_bytes else 0
         late = sum(
             int(nbytes)
-            for nbytes, producer, freed_after, _ in self.late_inputs
-            if freed_after >= self.n and start <= producer < self.n - 1 and nbytes > 0
+            for nbytes, producer, freed_after, users in self.late_inputs
+            if freed_after >= self.n and start <= producer < self.n - 1 and nbytes > 0 and producer not in users
         )
         return fi + late
 
@@ -569,12 +571,14 @@ class Chain:
         replay runs that much higher than ``pending_grad_bytes`` says. Not one the last block makes (its output, ``x_bytes[stop]``,
         is on the level, netting the same free), nor one freed in its gap (``freed_input_bytes``, counted once).
         Without it, fuzz seed 2058's R[0:2](K0 K1) over blocks taking ``x * scale`` (block 0's output alive until
-        block 1 returns) measured 1.074x its budget."""
+        block 1 returns) measured 1.074x its budget. Not an input made between blocks (``producer in users``,
+        charged as ``unlinked_bytes``: NOTE [ Unlinked inputs taken again later ] in ``remat.profile.profiler``;
+        counted here too, seed 361's segments over it were predicted one tensor further above their peak)."""
         last = stop - 1
         return sum(
             int(nbytes)
-            for nbytes, producer, freed_after, _ in self.late_inputs
-            if start <= producer < last and freed_after > last and nbytes > 0
+            for nbytes, producer, freed_after, users in self.late_inputs
+            if start <= producer < last and freed_after > last and nbytes > 0 and producer not in users
         )
 
 

@@ -1066,7 +1066,8 @@ def _late_inputs(trace: MemoryTrace, tracked: Probe, n: int) -> tuple[LateInput,
     A storage is named by its address and a time (the allocator reuses addresses): the allocation live
     at that address when a block that takes it starts. Inputs the step did not allocate (held before it),
     inputs freed in the backward and inputs made between blocks (``unlinked_bytes``, charged as such) are
-    left out.
+    left out; one made between blocks that a later block takes again is kept from the last block it is
+    unlinked for (NOTE [ Unlinked inputs taken again later ]).
     """
     marks = {name: ts[0] for name, ts in trace.mark_times().items()}
     starts = [marks.get(f"{Event.FORWARD}{i}") for i in range(n)]
@@ -1076,22 +1077,70 @@ def _late_inputs(trace: MemoryTrace, tracked: Probe, n: int) -> tuple[LateInput,
     last_end = marks[f"{Event.FORWARD_END}{n - 1}"]
     backward = min([t for name, t in marks.items() if name[:1] == str(Event.BACKWARD)], default=trace.duration_ns)
     lives = trace.lifetimes()
-    unlinked = set().union(*(set(tracked._unlinked_storages[j]) for j in range(n))) if n else set()
+
+    def live(ptr: int, t: int) -> tuple[int, int] | None:
+        return next((lt for lt in lives.get(ptr, ()) if lt[0] <= t < lt[1]), None)
+
+    # NOTE [ Unlinked inputs are allocations, not addresses ]
+    unlinked: dict[tuple[int, int], int] = {}  # (ptr, born) -> the last block it is an unlinked input of
+    for j in range(n):
+        for ptr in tracked._unlinked_storages[j]:
+            if (span := live(ptr, begin[j])) is not None:
+                unlinked[(ptr, span[0])] = j
     found: dict[tuple[int, int], tuple[int, int, list[int]]] = {}  # (ptr, born) -> (bytes, freed, users)
     for j in range(n):
         for ptr, size in tracked.inputs[j].items():
-            span = next((lt for lt in lives.get(ptr, ()) if lt[0] <= begin[j] < lt[1]), None)
-            if span is None or ptr in unlinked:
+            span = live(ptr, begin[j])
+            if span is None:
                 continue
             found.setdefault((ptr, span[0]), (size, span[1], []))[2].append(j)
     out = []
-    for (_ptr, born), (size, freed, users) in sorted(found.items(), key=lambda kv: kv[0][1]):
+    for (ptr, born), (size, freed, users) in sorted(found.items(), key=lambda kv: kv[0][1]):
         if freed >= backward:
             continue  # freed in the backward (saved, or held by the model): the plain step holds it as long
         producer = bisect_right(begin, born) - 1
+        # NOTE [ Unlinked inputs taken again later ]
+        maker = unlinked.get((ptr, born))
+        if maker is not None:
+            users = [maker, *(u for u in users if u > maker)]
+            if len(users) == 1:
+                continue  # charged as unlinked_bytes / unsaved_input_bytes of its blocks, as made between them
+            producer = maker
         freed_after = n if freed >= last_end else bisect_right(begin, freed) - 1
         out.append(LateInput(nbytes=int(size), producer=producer, freed_after=freed_after, users=tuple(users)))
     return tuple(out)
+
+
+# NOTE [ Unlinked inputs taken again later ]
+# An input the model's code makes between blocks (``unlinked_bytes``) is charged as such by a segment that
+# goes on through the block it is made for (``un``) or starts there (``us``), so ``_late_inputs`` left it
+# out. A later block may take it again: fuzz seed 361 (split) makes ``x = flip(..)`` before
+# ``blocks.2.aux_head`` (block 7, whose unlinked input it is), ``blocks.3.linear0`` (block 8) takes it too,
+# neither saves it (a linear layer saves a contiguous copy of a non-contiguous input), and the model's ``h``
+# holds it until ``blocks.3`` returns: the plain step frees it in the head, whose measured rise nets that
+# free. A checkpoint over block 8 holds it to its backward, and nothing charged it: ``K0 .. K7 R[8:9](K8)
+# K9 ..`` measured 1.048x its prediction, the fuzz cell's smallest plan ``R[0:2](K0 K1) K2 .. K7 R[8:10](K8
+# K9) K10 K11`` 7882624 B against its budget of 7489408 B (1.053x). So it is a late input from the last block
+# it is an unlinked input of: ``producer`` is that block (for the chain it is made there: a segment reaching
+# it charges it as unlinked, and ``Chain.late_records`` / ``_late_tables`` skip it as made inside), and
+# ``users`` starts with that block, then the later ones that take it. ``producer in users`` marks such an
+# entry: ``Chain.late_made_bytes`` (first user after the producer), ``Chain.code_held_frees``,
+# ``Chain.late_netted_bytes`` and ``Chain.head_freed_bytes`` (a tensor a segment from ``producer`` on does not
+# hold otherwise) leave it to ``un`` / ``us``. Measured on seed 361, every single-segment plan: R[8:9] and
+# R[8:10] exact (1.048x, 1.050x before), the fuzz cell's plan exact (7882624 B); R[8:11] 0.952x (exact before
+# by a cancellation: the gap after block 10 frees the segment's own output, an in-place activation's, which
+# ``gap_freed_input_bytes`` charges as held); the rest unchanged.
+
+
+# NOTE [ Unlinked inputs are allocations, not addresses ]
+# ``_late_inputs`` leaves out the inputs made between blocks (``Probe._unlinked_storages``, by address, of
+# each block's call). The allocator hands a freed block's address to a later allocation, so an address
+# alone named another tensor: fuzz seed 361 (split) frees the chain's input ``h`` after block 3, and the
+# sum ``x + aux_in`` that the model's code makes before block 4 (block 4's unlinked input) got its address
+# in some runs and not in others (the heap as the process had used it before; block 6's input too): ``h``
+# was left out of ``late_inputs``, one run's smallest plan had 7096192 B as its budget and the next
+# 7489408 B, and the same plan measured 7882624 B in both. An unlinked input is the allocation live at
+# that address when its block starts, as the late inputs themselves are named: ``(ptr, born)``.
 
 
 def _drop(_t: Any) -> Any:

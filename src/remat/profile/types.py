@@ -23,7 +23,9 @@ class LateInput(NamedTuple):
     Attributes:
         nbytes: Its storage's bytes.
         producer: The block whose forward (or the code after it, before the next block) allocated it;
-            -1 before block 0.
+            -1 before block 0. For an input made between blocks (an unlinked input) that a later block
+            takes again: the last block it is an unlinked input of, which is then also its first user
+            (NOTE [ Unlinked inputs taken again later ] in ``remat.profile.profiler``).
         freed_after: The block after whose forward the plain step frees it: in the code before the next
             block, or in that block's forward; ``n`` (the number of blocks) for the head.
         users: The blocks that take it, in order.
