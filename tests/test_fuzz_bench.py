@@ -35,7 +35,29 @@ NEVER = {
 # 2058 and 2175 1.08-1.15x (the gradients pending above a replay), 366 1.17x (a nested checkpoint's own RNG
 # state, NOTE [ One RNG state per segment ]), 172 and 2082 1.07-1.11x (an output the model's code keeps past its
 # saving taker, Profile.code_held_inputs); the others are the first seeds of a clean run. Still over: README, Known limits.
-SEEDS = (104, 134, 172, 180, 213, 249, 358, 361, 366, 696, 807, 808, 886, 2005, 2047, 2050, 2053, 2058, 2082, 2175, *range(600, 612))
+SEEDS = (
+    104,
+    134,
+    172,
+    180,
+    213,
+    249,
+    358,
+    361,
+    366,
+    696,
+    807,
+    808,
+    886,
+    2005,
+    2047,
+    2050,
+    2053,
+    2058,
+    2082,
+    2175,
+    *range(600, 612),
+)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

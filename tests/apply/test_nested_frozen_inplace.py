@@ -31,7 +31,9 @@ def test_in_place_activation_after_frozen_nested_span_is_replayed(name: str) -> 
     plain = _make()
     plain(x).square().sum().backward()
     model = _make()
-    remat.apply(model, Plan(strategy="by hand", blocks=remat.blocks(model, types=(nn.Linear, nn.ReLU)), ops=_PLANS[name]))
+    remat.apply(
+        model, Plan(strategy="by hand", blocks=remat.blocks(model, types=(nn.Linear, nn.ReLU)), ops=_PLANS[name])
+    )
     for _ in range(2):  # a second step reuses nothing of the first
         model.zero_grad(set_to_none=True)
         model(x).square().sum().backward()

@@ -106,7 +106,9 @@ def test_the_profile_finds_the_unlinked_input_taken_again(case) -> None:
 def test_the_profile_is_the_same_every_run(case) -> None:
     model, x, loss_fn, prof = case
     for _ in range(3):
-        again = remat.profile(model, (x,), loss_fn, blocks=remat.blocks(model, named=_BLOCKS), repeats=1, progress=False)
+        again = remat.profile(
+            model, (x,), loss_fn, blocks=remat.blocks(model, named=_BLOCKS), repeats=1, progress=False
+        )
         assert again.late_inputs == prof.late_inputs
 
 
