@@ -167,7 +167,8 @@ def _weight_shape(module: nn.Module) -> tuple[int, ...] | None:
     from its original, as evaluating the parametrization runs its forward (spectral norm's power iteration
     updates its ``_u`` and ``_v`` in training mode), which finding blocks must not do."""
     if parametrize.is_parametrized(module, "weight"):
-        plist = module.parametrizations["weight"]
+        plists: Any = module.parametrizations  # a ModuleDict of ParametrizationList
+        plist = plists["weight"]
         original = getattr(plist, "original", None)
         if isinstance(original, torch.Tensor) and not plist.unsafe:
             return tuple(original.shape)  # a safe parametrization keeps the shape of its one original
