@@ -496,7 +496,10 @@ def _dead_saved_bytes(profile: Profile, i: int) -> int:
 # cached outputs) is therefore ``max over t of L(t) - C(t)``: ``L(t)`` the bytes of the storages the
 # block's ops allocated that are alive after op ``t`` (``OpRecord.out_bytes`` and ``freed``, by the
 # storages' lifetimes in the per-op profile), ``C(t)`` those of them that are cached, over the ops before
-# the early stop; plus what the measured forward peak has above ``max L`` (a kernel's workspace). Taking
+# the early stop; ``L(t)`` has op ``t``'s own temporaries on it where the replay runs it (``OpRecord.temp_bytes``,
+# NOTE [ An op's own temporaries ] in ``remat.profile.ops``: a softmax's buffer, under the ``mul`` after it
+# in the plain forward, tops a replay that caches that ``mul``); plus what the measured forward peak has
+# above the highest of them (what the per-op record missed). Taking
 # the forward peak less every cached output instead (its value at the block's end) was low for a block
 # whose forward peaks before the op it caches (a temporary made early, LongT5's and Hiera's attention:
 # 1.07-1.09x their budget, helper-45). Each storage is counted alive through the last op that ran
@@ -540,8 +543,11 @@ def _consumed(b: BlockOps, cached: Collection[int]) -> list[int]:
 
 def _replay_rise(b: BlockOps, live: list[int], cached: set[int], fwd_peak: int) -> int:
     held, gone = _alive(b, cached), _consumed(b, cached)
-    rise = max((live[t] - held[t] - gone[t] for t in range(min(b.stop, len(live)))), default=0)
-    return rise + max(0, fwd_peak - max(live, default=0))
+    # An op's own temporaries (OpRecord.temp_bytes) ride on the level after it, unless the replay takes its
+    # output from the cache (NOTE [ An op's own temporaries ] in remat.profile.ops).
+    top = [live[t] + (0 if t in cached else b.ops[t].temp_bytes) for t in range(len(live))]
+    rise = max((top[t] - held[t] - gone[t] for t in range(min(b.stop, len(live)))), default=0)
+    return rise + max(0, fwd_peak - max((live[t] + b.ops[t].temp_bytes for t in range(len(live))), default=0))
 
 
 def op_costs(profile: Profile) -> dict[tuple[int, RecomputeOps], tuple[int, float, int]]:

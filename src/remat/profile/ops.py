@@ -56,7 +56,7 @@ from remat._json import Reader
 from remat.blocks import Block, resolve, unrun_hint
 from remat.core.runtime import suspended
 from remat.core.selective import OpKeys, op_name
-from remat.core.trace import call_loss, call_model, preserved
+from remat.core.trace import call_loss, call_model, device_of, mark, preserved, record_memory
 from remat.core.tree import leaves as tree_leaves
 from remat.core.tree import output_leaves
 from remat.core.wrapped import unwrap
@@ -96,6 +96,8 @@ class OpRecord:
         autocast_cached: A cast that autocast's cache holds (of a leaf that requires grad, a parameter,
             under an enabled autocast with its cache on): alive until the outermost autocast region exits,
             whether the op's output is saved or recomputed.
+        temp_bytes: How far memory rose while it ran above the level after it: the temporaries of its kernel
+            (a softmax's or a strided convolution's workspace; NOTE [ An op's own temporaries ]).
     """
 
     index: int
@@ -111,6 +113,7 @@ class OpRecord:
     view: bool = False
     freed: int = -1
     autocast_cached: bool = False
+    temp_bytes: int = 0
 
     @property
     def fresh(self) -> bool:
@@ -413,8 +416,9 @@ class _Run:
 class _Recorder(TorchDispatchMode):
     """Records the ops of each block's forward; outside the blocks it only passes ops through."""
 
-    def __init__(self, n_blocks: int) -> None:
+    def __init__(self, n_blocks: int, marked: bool = False) -> None:
         super().__init__()
+        self.marked = marked  # leave a marker around each op of a block, for the memory profiler (_op_temps)
         self.runs: list[_Run | None] = [None] * n_blocks
         self.current: _Run | None = None
         self.current_index = -1
@@ -465,12 +469,16 @@ class _Recorder(TorchDispatchMode):
         cuda = [t.device for t in _tensors((args, kwargs)) if t.device.type == "cuda"]
         if cuda:
             torch.cuda.synchronize(cuda[0])
+        if self.marked:
+            mark(f"op<{self.current_index}:{len(run.ops)}")
         t0 = time.perf_counter_ns()
         run.in_op = True
         try:
             out = func(*args, **kwargs)
         finally:
             run.in_op = False
+        if self.marked:
+            mark(f"op>{self.current_index}:{len(run.ops)}")
         if cuda:
             torch.cuda.synchronize(cuda[0])
         ns = time.perf_counter_ns() - t0
@@ -488,9 +496,9 @@ def _py_states() -> tuple[Any, ...]:
 
 
 def _one_forward(
-    model: nn.Module, inputs: Any, members: list[list[nn.Module]], block_list: Sequence[Block]
+    model: nn.Module, inputs: Any, members: list[list[nn.Module]], block_list: Sequence[Block], marked: bool = False
 ) -> tuple[list[_Run], Any]:
-    rec = _Recorder(len(members))
+    rec = _Recorder(len(members), marked)
     handles = []
     for i, mods in enumerate(members):
 
@@ -535,9 +543,9 @@ def _one_forward(
     return [r for r in rec.runs if r is not None], out
 
 
-def _block_ops(block: Block, runs: list[_Run]) -> BlockOps:
-    first = runs[0]
-    keys = [op.key for op in first.ops]
+def _same_ops(block: Block, runs: list[_Run]) -> None:
+    """Refuse a block whose forwards ran different ops."""
+    keys = [op.key for op in runs[0].ops]
     for r, run in enumerate(runs[1:], 1):
         other = [op.key for op in run.ops]
         if other != keys:
@@ -549,6 +557,12 @@ def _block_ops(block: Block, runs: list[_Run]) -> BlockOps:
                 f"(op {at}: {seen} then {then}); selective recompute needs a forward that runs the same ops "
                 "every time (no data-dependent control flow); recompute this block whole instead"
             )
+
+
+def _block_ops(block: Block, runs: list[_Run], temps: Sequence[int] = ()) -> BlockOps:
+    """The block's record from its timed forwards, with its ops' ``temp_bytes`` (NOTE [ An op's own temporaries ])."""
+    _same_ops(block, runs)
+    first = runs[0]
     records = []
     for j, op in enumerate(first.ops):
         ms = statistics.median(run.ops[j].ns for run in runs) / 1e6
@@ -567,6 +581,7 @@ def _block_ops(block: Block, runs: list[_Run]) -> BlockOps:
                 view=op.view,
                 freed=op.freed,
                 autocast_cached=op.autocast_cached,
+                temp_bytes=temps[j] if j < len(temps) else 0,
             )
         )
     input_saved = sum(first.input_saved.values())
@@ -584,14 +599,49 @@ def _block_ops(block: Block, runs: list[_Run]) -> BlockOps:
     )
 
 
+# NOTE [ An op's own temporaries ]
+# A kernel may allocate and free memory while it runs, beyond its outputs: the CPU softmax an output-sized
+# buffer, a convolution over a transposed input a contiguous copy. The storages' lifetimes
+# (``OpRecord.freed``) do not see them, and the block's measured forward peak has them only where they top
+# the forward: a softmax's buffer right before the op making the block's largest live set (``softmax(x) * d``)
+# sits one tensor under the peak. A policy caching that ``mul`` moves the replay's peak onto the softmax,
+# buffer included (fuzz seed 411's O1{..|mul#2}: 1.056x its prediction, 1.058x its budget; helper-98 read
+# it as the replay's leftovers alive under the backward's first ``mm``, but they die before it, helper-101).
+# So one more forward runs under the memory profiler with a marker around each op of a block, and
+# ``temp_bytes`` is the op's highest level less the level after it; its time is not used (the markers and
+# the profiler cost time). ``remat.plan.policies`` charges it at that op of a replay unless the op is cached.
+def _op_temps(
+    model: nn.Module, inputs: Any, members: list[list[nn.Module]], block_list: Sequence[Block]
+) -> tuple[list[_Run], list[list[int]]]:
+    """One forward under the memory profiler: its runs and each block's ops' ``temp_bytes``."""
+    got: list[list[_Run]] = []
+
+    def step() -> None:
+        runs, output = _one_forward(model, inputs, members, block_list, marked=True)
+        got.append(runs)
+        del output
+
+    trace = record_memory(step, device_of(model, inputs))
+    times = trace.mark_times()
+    temps: list[list[int]] = []
+    for i, run in enumerate(got[0]):
+        row = []
+        for j in range(len(run.ops)):
+            t0, t1 = times.get(f"op<{i}:{j}"), times.get(f"op>{i}:{j}")
+            row.append(max(0, trace.peak_between(t0[0], t1[0]) - trace.level_at(t1[0])) if t0 and t1 else 0)
+        temps.append(row)
+    return got[0], temps
+
+
 def profile_ops(
     model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor], blocks: Sequence[Block], *, rounds: int = 3
 ) -> tuple[BlockOps, ...]:
     """Profile every aten op of each block's forward on the real batch (NOTE [ Storages, not tensors ]).
 
     Runs ``rounds`` plain forwards of the model (no backward) with gradients enabled, any remat plan
-    applied to it suspended; each op's time is the median over the forwards. The model is left as it
-    was: buffers, gradients, RNG state, train/eval mode.
+    applied to it suspended; each op's time is the median over the forwards. One more forward runs
+    under the memory profiler for each op's temporaries (NOTE [ An op's own temporaries ]). The model
+    is left as it was: buffers, gradients, RNG state, train/eval mode.
 
     Args:
         model: The model, on the device to profile on, in the mode it trains in (dropout active).
@@ -626,6 +676,9 @@ def profile_ops(
                 with torch.enable_grad():
                     call_loss(loss_fn, output, "profile")  # checked here: the first call of the user's loss
             del output
-    out = tuple(_block_ops(b, [run[i] for run in runs]) for i, b in enumerate(block_list))
+        mem_run, temps = _op_temps(model, inputs, members, block_list)
+    for i, b in enumerate(block_list):
+        _same_ops(b, [*(run[i] for run in runs), mem_run[i]])  # its temporaries are per op: the same ops
+    out = tuple(_block_ops(b, [run[i] for run in runs], temps[i]) for i, b in enumerate(block_list))
     log.debug("profile_ops: %d blocks, %d forwards in %.3fs", len(out), rounds, time.perf_counter() - t0)
     return out
