@@ -1097,9 +1097,15 @@ def test_in_place_activations_are_recomputed_in_segments_with_the_block_before_t
     remat.apply(model, remat.segments(3))
     assert all(torch.equal(a, b) for a, b in zip(reference, grads(model), strict=True))
     model = _inplace_sequential(act)
-    remat.apply(model, remat.full())
-    with pytest.raises(remat.RematError, match=r"module '1' edits its tensor argument #0 in place"):
-        grads(model)
+    # full() puts each activation in the Linear's segment (NOTE [ Strategies and in-place blocks ]); a plan
+    # starting a segment at one is refused up front.
+    plan = remat.apply(model, remat.full())
+    assert plan.ops[:2] == (Recompute(0, 2, (Keep(0), Keep(1))), Recompute(2, 4, (Keep(2), Keep(3)))), plan.ops
+    assert all(torch.equal(a, b) for a, b in zip(reference, grads(model), strict=True))
+    model = _inplace_sequential(act)
+    bare = remat.plan(remat.blocks(model), strategy=remat.full())
+    with pytest.raises(remat.RematError, match=r"starts a segment at block 1 \(1, (ReLU|Dropout)\(inplace=True\)\)"):
+        remat.apply(model, bare)
     model = _inplace_sequential(act)
     prof = remat.profile(model, (x,), loss_fn, progress=False)
     assert [bp.edits_own_link for bp in prof.block_profiles] == [False, True] * 6

@@ -75,6 +75,7 @@ def apply(
                 unwrap(model), plan, allow_stateful=allow_stateful, allow_saved_tensor_hooks=allow_saved_tensor_hooks
             )
         raise PlanMismatchError(f"apply: the plan ({plan.strategy}) does not fit this model: {e}") from None
+    _refuse_inplace_starts(plan, members)
     if plan.fingerprint is not None:
         # "<blocks>.<run>" (remat.blocks.fingerprint); a plan written before <run> existed has only <blocks>.
         want_blocks, _, want_run = plan.fingerprint.partition(".")
@@ -106,6 +107,44 @@ def apply(
         allow_hooks=allow_saved_tensor_hooks,
     )
     return plan
+
+
+def _starts(ops: tuple[Op, ...]) -> list[int]:
+    """The first block of every segment of ``ops``, nested ones included."""
+    out = []
+    for op in ops:
+        if isinstance(op, Recompute):
+            out.append(op.start)
+            out.extend(_starts(op.inner))
+    return out
+
+
+def _edits_input(m: nn.Module) -> bool:
+    """Whether ``m`` is a torch module built with ``inplace=True`` that edits its input (``nn.ReLU(inplace=True)``;
+    a dropout with ``p > 0`` in training mode); ``remat.plan.strategies.inplace_blocks`` reads the same."""
+    return (
+        getattr(m, "inplace", False) is True
+        and type(m).__module__.startswith("torch.nn.modules.")
+        and ("dropout" not in type(m).__module__ or (m.training and getattr(m, "p", 1) > 0))
+    )
+
+
+def _refuse_inplace_starts(plan: Plan, members: list[list[nn.Module]]) -> None:
+    """A RematError, before anything runs, if a segment starts at a block whose first member is a torch
+    module built with ``inplace=True`` (``nn.ReLU(inplace=True)``; a dropout with ``p > 0`` in training mode): its replay
+    would edit the segment's input again, which the first step would refuse (NOTE [ In-place edits of a
+    member's output ] in ``remat.core.runtime``). Plans from a profile or a model never do; a strategy
+    planned on bare blocks (``remat.plan(blocks, strategy=...)``) cannot know."""
+    for i in _starts(plan.ops):
+        m = members[i][0]
+        if _edits_input(m):
+            b = plan.blocks[i]
+            raise RematError(
+                f"apply: the plan ({plan.strategy}) starts a segment at block {i} ({b.name}, {type(m).__name__}"
+                "(inplace=True)), which edits its input in place, so its recomputation would edit it again; plan "
+                "on the model or a profile (remat.plan(model, strategy=...), remat.apply(model, strategy, "
+                "blocks=...)), which put it in the segment of the block before it, or keep it"
+            )
 
 
 def _refuse_hf_checkpointing(model: nn.Module, plan: Plan) -> None:
@@ -187,6 +226,12 @@ class CheckpointedSequential(nn.Sequential):
         self.segments = segments
         blocks = find_blocks(self, named=[[n] for n, _ in self.named_children()])
         ops = _segment_ops(len(blocks), segments)
+        if any(isinstance(op, Recompute) and _edits_input(self[op.start]) for op in ops):
+            # A cut before a child built with inplace=True moves after it, as remat.segments(k) on the model
+            # does (NOTE [ Strategies and in-place blocks ] in remat.plan.strategies; local: the plan stage).
+            from remat.plan.strategies import Target, _fit, inplace_blocks
+
+            ops = _fit(Target(blocks, inplace=inplace_blocks(self, blocks)), ops)
         apply(self, Plan(f"segments(k={segments})", blocks, ops, fingerprint=fingerprint(self, blocks)))
 
 

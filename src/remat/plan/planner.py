@@ -25,7 +25,7 @@ from remat.plan.solver import (
     simulate,
     solve,
 )
-from remat.plan.strategies import STRATEGIES, Named, Strategy, Target, parse_strategy
+from remat.plan.strategies import STRATEGIES, Named, Strategy, Target, inplace_blocks, parse_strategy
 from remat.plan.types import Plan
 from remat.profile.types import Profile
 from remat.units import Budget, format_bytes, parse_budget
@@ -201,7 +201,10 @@ def to_plan(
         raise RematError(
             f"apply: strategy {strategy.name} needs measured block sizes; pass profile=remat.profile(model, inputs, loss_fn)"
         )
-    ops = strategy.ops(Target(tuple(block_list), profile))
+    # Without a profile, the model tells which blocks edit their input in place (NOTE [ Strategies and
+    # in-place blocks ] in remat.plan.strategies); on bare blocks apply refuses such a plan up front.
+    inplace = inplace_blocks(model, block_list) if model is not None and profile is None else None
+    ops = strategy.ops(Target(tuple(block_list), profile, inplace))
     if profile is not None and not isinstance(strategy, Named):
         return plan_from_ops(profile, ops, strategy.label)
     fp = fingerprint(model, block_list) if model is not None else None

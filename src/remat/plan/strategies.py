@@ -5,6 +5,20 @@ a ``label`` (name and parameters, the ``strategy`` of the plans it makes), wheth
 (reads measured sizes: ``largest``, ``budget``, ``dynamic``), and one method, ``ops``, that turns a
 :class:`Target` (the blocks, and their profile where there is one) into plan operations. The rules share
 helpers, not a base class. ``remat.plan(source, strategy=...)`` turns a strategy into a :class:`Plan`.
+
+NOTE [ Strategies and in-place blocks ]: a block that edits its tensor argument in place (a split
+``nn.ReLU(inplace=True)``, ``nn.SiLU(inplace=True)``, an in-place dropout) cannot be recomputed alone or at
+a segment's start: its replay would edit its input again, and ``apply`` refuses it on the first step.
+The rules that choose blocks themselves (``full``, ``every_nth``, ``dynamic``, ``ratio``, ``largest``,
+``budget``, ``segments``, ``sqrt``) therefore put such a block in the segment of the block before it
+when that block is recomputed in a segment ending there (as the planner does: ``full()`` on Linear,
+ReLU(inplace=True) checkpoints them together, ``R[0:2]``; ``sqrt()`` moves a cut from before it to after
+it), and keep it otherwise (recomputed alone it would hold nothing less: it returns its input); a block
+that edits another tensor than the previous block's output is kept, its segment cut around it. What edits
+in place is read from the profile (``BlockProfile.edits_input`` / ``edits_own_link``), or without one from
+the model (:func:`inplace_blocks`: a block whose first member is a torch module built with
+``inplace=True``); on bare blocks nothing tells, and ``apply`` refuses such a plan up front. ``selective``
+and ``named``, whose blocks you choose, refuse such a block instead of changing your choice.
 """
 
 from __future__ import annotations
@@ -17,6 +31,8 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
+
+from torch import nn
 
 from remat.blocks import Block, LayerType
 from remat.core.ops import Keep, Op, Recompute, RecomputeSub
@@ -61,6 +77,7 @@ __all__ = [
     "parse_strategy",
     "strategy_params",
     "bench_strategies",
+    "inplace_blocks",
 ]
 
 
@@ -71,13 +88,35 @@ class Target:
     Attributes:
         blocks: The blocks, in forward order.
         profile: Their profile (``remat.profile``); ``None``: only strategies that read no sizes can plan.
+        inplace: Without a profile, whether each block starts with a torch module that edits its input in
+            place (:func:`inplace_blocks`); ``None``: unknown (NOTE [ Strategies and in-place blocks ]).
     """
 
     blocks: tuple[Block, ...]
     profile: Profile | None = None
+    inplace: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", tuple(self.blocks))
+        if self.inplace is not None:
+            object.__setattr__(self, "inplace", tuple(self.inplace))
+
+    def edits(self) -> tuple[str, ...]:
+        """How each block edits its tensor arguments in place (NOTE [ Strategies and in-place blocks ]).
+
+        ``""``: not at all (or unknown: no profile and no ``inplace``); ``"link"``: only the previous
+        block's output, so it may be recomputed in a segment that starts before it; ``"keep"``: something
+        else (the model's input, an older tensor), so it is never recomputed.
+        """
+        n = len(self.blocks)
+        if self.profile is not None and len(self.profile.block_profiles) == n:
+            return tuple(
+                "" if not bp.edits_input else "link" if bp.edits_own_link and i else "keep"
+                for i, bp in enumerate(self.profile.block_profiles)
+            )
+        if self.inplace is not None and len(self.inplace) == n:
+            return tuple("" if not e else "link" if i else "keep" for i, e in enumerate(self.inplace))
+        return ("",) * n
 
     def sizes(self, strategy: str) -> Profile:
         """The profile, for a strategy that reads measured sizes.
@@ -150,9 +189,89 @@ def _check_fraction(strategy: str, param: str, value: Any) -> None:
         raise RematError(f"strategy {strategy}: {param}={value!r} is outside [0, 1]; give a fraction such as 0.5")
 
 
-def _each(target: Target, chosen: Iterable[int]) -> tuple[Op, ...]:
-    """Each chosen block under its own checkpoint, the others kept."""
-    return single_level_ops(len(target.blocks), frozenset(chosen))
+def _each(target: Target, chosen: Iterable[int], *, strategy: str | None = None) -> tuple[Op, ...]:
+    """Each chosen block under its own checkpoint, the others kept, fitted to in-place blocks (:func:`_fit`);
+    ``strategy``: refuse a chosen block that edits in place instead, naming the strategy."""
+    chosen = frozenset(chosen)
+    if strategy is not None:
+        edits = target.edits()
+        bad = sorted(i for i in chosen if i < len(edits) and edits[i])
+        if bad:
+            b = target.blocks[bad[0]]
+            raise RematError(
+                f"strategy {strategy}: block {bad[0]} ({b.name}, {b.class_name}) edits its tensor argument in place, "
+                "so recomputing it alone would edit it again (apply refuses it); leave it out of the blocks you "
+                "checkpoint, or use full() / segments(k), which recompute it with the block before it"
+            )
+    return _fit(target, single_level_ops(len(target.blocks), chosen))
+
+
+def _fit(target: Target, ops: tuple[Op, ...]) -> tuple[Op, ...]:
+    """``ops`` with no segment starting at, nor holding, a block that may not be recomputed there.
+
+    A block that edits the previous block's output in place (``"link"``) joins the segment ending just
+    before it, else is kept; one that edits anything else (``"keep"``) is kept, its segment cut around
+    it (NOTE [ Strategies and in-place blocks ]). Only flat segments (of kept blocks) are changed.
+    """
+    edits = target.edits()
+    if not any(edits):
+        return ops
+    out: list[Op] = []
+
+    def close(piece: list[int]) -> None:
+        while piece and edits[piece[0]] == "link":
+            last = out[-1] if out else None
+            if isinstance(last, Recompute) and last.stop == piece[0] and all(isinstance(o, Keep) for o in last.inner):
+                out[-1] = Recompute(last.start, piece[0] + 1, (*last.inner, Keep(piece[0])))
+            else:
+                out.append(Keep(piece[0]))
+            piece.pop(0)
+        if piece:
+            out.append(Recompute(piece[0], piece[-1] + 1, tuple(Keep(i) for i in piece)))
+
+    for op in ops:
+        if not isinstance(op, Recompute) or not all(isinstance(o, Keep) for o in op.inner):
+            out.append(op)
+            continue
+        piece: list[int] = []
+        for i in range(op.start, op.stop):
+            if edits[i] == "keep":
+                close(piece)
+                piece = []
+                out.append(Keep(i))
+            else:
+                piece.append(i)
+        close(piece)
+    if out != list(ops):
+        log.info("strategy: in-place blocks moved into the segment before them or kept: %s -> %s", ops, tuple(out))
+    return tuple(out)
+
+
+# Torch modules that edit their input in place when built with inplace=True (dropouts only in training, p > 0).
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def inplace_blocks(model: nn.Module, blocks: Sequence[Block]) -> tuple[bool, ...]:
+    """Whether each block's first member is a ``torch.nn`` module that edits its input in place: built with
+    ``inplace=True`` (``nn.ReLU``, ``nn.SiLU``, ``nn.Hardtanh`` ..., a dropout with ``p > 0`` in training mode).
+
+    What a strategy knows of in-place blocks without a profile (NOTE [ Strategies and in-place blocks ]);
+    a module of your own that edits its input is found by ``remat.profile`` only (``apply`` refuses it).
+    Blocks not in ``model`` count as not editing (``apply`` reports them).
+    """
+    out = []
+    for b in blocks:
+        try:
+            m = model.get_submodule(b.fqns[0])
+        except AttributeError:
+            out.append(False)
+            continue
+        out.append(
+            getattr(m, "inplace", False) is True
+            and type(m).__module__.startswith("torch.nn.modules.")
+            and (not isinstance(m, _DROPOUTS) or (m.training and m.p > 0))
+        )
+    return tuple(out)
 
 
 def _segment_bounds(n: int, k: int) -> list[tuple[int, int]]:
@@ -165,14 +284,15 @@ def _segment_bounds(n: int, k: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _segment_ops(n: int, k: int) -> tuple[Op, ...]:
-    # As torch.utils.checkpoint.checkpoint_sequential: every segment but the last is checkpointed.
+def _segment_ops(target: Target, k: int) -> tuple[Op, ...]:
+    # As torch.utils.checkpoint.checkpoint_sequential: every segment but the last is checkpointed; a
+    # segment never starts at an in-place block (_fit: its cut moves after it).
     ops: list[Op] = []
-    bounds = _segment_bounds(n, k)
+    bounds = _segment_bounds(len(target.blocks), k)
     for j, (a, b) in enumerate(bounds):
         keeps = tuple(Keep(i) for i in range(a, b))
         ops.extend(keeps if j == len(bounds) - 1 else (Recompute(a, b, keeps),))
-    return tuple(ops)
+    return _fit(target, tuple(ops))
 
 
 def _retained(profile: Profile, chosen: frozenset[int]) -> int:
@@ -207,7 +327,8 @@ class KeepAll:
 
 @dataclass(frozen=True)
 class Full:
-    """``full``: checkpoint every block."""
+    """``full``: checkpoint every block; a block that edits the previous block's output in place (a split
+    ``nn.ReLU(inplace=True)``) is checkpointed with it, in one segment (NOTE [ Strategies and in-place blocks ])."""
 
     name: ClassVar[str] = "full"
     needs_profile: ClassVar[bool] = False
@@ -228,7 +349,8 @@ class Full:
 
 @dataclass(frozen=True)
 class EveryNth:
-    """``every_nth``: checkpoint blocks 0, n, 2n, ...
+    """``every_nth``: checkpoint blocks 0, n, 2n, ...; one of them that edits its input in place is kept
+    (recomputed alone it would edit it again; NOTE [ Strategies and in-place blocks ]).
 
     Attributes:
         n: The interval, >= 1.
@@ -295,7 +417,7 @@ class Selective:
         beyond = [i for i in self.indices if i >= n]
         if beyond:
             raise RematError(f"strategy selective: indices {beyond} are out of range for {n} blocks (valid 0..{n - 1})")
-        return _each(target, self.indices)
+        return _each(target, self.indices, strategy=self.name)
 
 
 @dataclass(frozen=True)
@@ -547,7 +669,8 @@ class GreedyBudget:
 
 @dataclass(frozen=True)
 class Segments:
-    """``segments``: cut the blocks into ``k`` even segments and checkpoint all but the last.
+    """``segments``: cut the blocks into ``k`` even segments and checkpoint all but the last; a cut before a
+    block that edits its input in place moves after it (NOTE [ Strategies and in-place blocks ]).
 
     Attributes:
         k: Number of segments, >= 1.
@@ -574,12 +697,13 @@ class Segments:
         n = len(target.blocks)
         if self.k > n:
             raise RematError(f"strategy segments: k={self.k} exceeds the {n} blocks; use 1..{n}")
-        return _segment_ops(n, self.k)
+        return _segment_ops(target, self.k)
 
 
 @dataclass(frozen=True)
 class Sqrt:
-    """``sqrt``: ``segments(round(sqrt(n)))``, the classic O(sqrt n) memory schedule."""
+    """``sqrt``: ``segments(round(sqrt(n)))``, the classic O(sqrt n) memory schedule (in-place blocks as
+    in :class:`Segments`)."""
 
     name: ClassVar[str] = "sqrt"
     needs_profile: ClassVar[bool] = False
@@ -596,7 +720,7 @@ class Sqrt:
     def ops(self, target: Target) -> tuple[Op, ...]:
         """See :meth:`Strategy.ops`."""
         n = len(target.blocks)
-        return _segment_ops(n, max(1, round(math.sqrt(n)))) if n else ()
+        return _segment_ops(target, max(1, round(math.sqrt(n)))) if n else ()
 
 
 @dataclass(frozen=True)
@@ -644,7 +768,7 @@ class Named:
                 "apply it to the model (remat.apply(model, remat.named(...))) or profile with "
                 "blocks=remat.blocks(model, named=...)"
             )
-        return _each(target, (i for i, b in enumerate(blocks) if b.fqns in set(self.groups)))
+        return _each(target, (i for i, b in enumerate(blocks) if b.fqns in set(self.groups)), strategy=self.name)
 
 
 # NOTE [ Strategy registry ]: the one list of strategy names. parse_strategy, its error messages, the
@@ -677,12 +801,14 @@ def none() -> KeepAll:
 
 
 def full() -> Full:
-    """Checkpoint every block (HuggingFace's gradient_checkpointing_enable)."""
+    """Checkpoint every block (HuggingFace's gradient_checkpointing_enable); a block that edits the previous
+    block's output in place (a split ``nn.ReLU(inplace=True)``) goes in that block's segment."""
     return Full()
 
 
 def every_nth(n: int) -> EveryNth:
-    """Checkpoint blocks 0, n, 2n, ... (the seeds' Uniform(interval) / EveryNthLayer(n)).
+    """Checkpoint blocks 0, n, 2n, ... (the seeds' Uniform(interval) / EveryNthLayer(n)); one that edits its
+    input in place (a split ``nn.ReLU(inplace=True)``) is kept, or joins the segment of the block before it.
 
     Args:
         n: The interval, >= 1.
@@ -691,7 +817,8 @@ def every_nth(n: int) -> EveryNth:
 
 
 def selective(indices: Sequence[int]) -> Selective:
-    """Checkpoint the listed blocks.
+    """Checkpoint the listed blocks; one that edits its input in place (a split ``nn.ReLU(inplace=True)``)
+    is refused with a ``RematError`` (recomputed alone it would edit it again).
 
     Args:
         indices: Block indices, each >= 0 and listed once.
@@ -755,7 +882,8 @@ def budget(max_bytes: int | str) -> GreedyBudget:
 
 
 def segments(k: int) -> Segments:
-    """Cut the blocks into ``k`` even segments and checkpoint all but the last.
+    """Cut the blocks into ``k`` even segments and checkpoint all but the last; a segment never starts at a
+    block that edits its input in place (a split ``nn.ReLU(inplace=True)``): the cut moves after it.
 
     Args:
         k: Number of segments, >= 1.
@@ -764,7 +892,7 @@ def segments(k: int) -> Segments:
 
 
 def sqrt() -> Sqrt:
-    """``segments(round(sqrt(n)))``: the classic O(sqrt n) memory schedule."""
+    """``segments(round(sqrt(n)))``: the classic O(sqrt n) memory schedule (cuts after in-place blocks)."""
     return Sqrt()
 
 
