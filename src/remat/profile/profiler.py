@@ -1414,7 +1414,11 @@ def _assemble(
             saved = {k: v for k, v in tracked.saved[slot].items() if k not in tracked.inputs[slot]}
             # Checkpointing the sub-module holds its inputs (and an RNG state): free where the block saves
             # them anyway, a cost where it does not (a frozen layer with LoRA adapters saves no input).
-            unsaved_inputs = {k: v for k, v in tracked.inputs[slot].items() if k not in tracked.saved[i]}
+            # By storage (NOTE [ Inputs a block saves are storages, not addresses ] in remat.core.probe): an
+            # input freed in the block's forward, whose address a tensor the block saves later takes, is not saved.
+            unsaved_inputs = {
+                k: v for k, v in tracked.inputs[slot].items() if k not in tracked.inputs_saved_by_block[slot]
+            }
             held_inputs = sum(unsaved_inputs.values())
             rng_bytes = int(torch.get_rng_state().nbytes) if dev.type == "cpu" else 0
             # The casts of the parameters in autocast's cache that it saves, made in this iteration: the cache
