@@ -186,3 +186,22 @@ def test_the_noise_figures_are_written_for_people_and_recomputed_when_read(caplo
     with caplog.at_level(logging.WARNING, logger="remat._json"):
         BenchResult.from_json(_bench_json(lambda d: d["rows"][0].update(peak=1)))
     assert "bench json: ignoring unknown field 'peak' in 'rows[0]'" in caplog.text
+
+
+def test_timed_step_is_not_the_learning_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ The learning step is not timed ]: every recomputed block's runtime role has learned (its first
+    # call after apply, about 5-20 ms per layer of the default GPT) before the bench times a step.
+    w = tiny_net_workload()
+    plans = [to_plan(remat.none(), w.model), to_plan(remat.full(), w.model)]
+    seen: list[tuple[int, int]] = []
+
+    def timer(step, device, repeats):  # type: ignore[no-untyped-def]
+        roles = [m.__dict__["_remat_role"] for m in w.model.modules() if "_remat_role" in m.__dict__]
+        seen.append((len(roles), sum(not r.learned for r in roles)))
+        return [1.0]
+
+    monkeypatch.setattr(compare_module, "timed_steps", timer)
+    compare(w.model, w.inputs, w.loss_fn, plans, rounds=3)
+    assert len(seen) == 6
+    assert sum(n for n, _ in seen[1::2]) > 0  # full()'s rounds have roles
+    assert all(unlearned == 0 for _, unlearned in seen), seen

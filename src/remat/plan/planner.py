@@ -419,6 +419,21 @@ def _plan_here(profile: Profile, budget: int | str | Budget | None, *, solver: s
         if lowest_once.predicted_peak_bytes is not None and lowest_once.predicted_peak_bytes < smallest:
             # The error states the lowest peak a plan is predicted at, and that plan.
             smallest, cheapest_ops = lowest_once.predicted_peak_bytes, lowest_once.ops
+    if ops is None and smallest > budget_bytes and fixed <= smallest:
+        # NOTE [ The smallest peak an error states ]: the solver's own plan at the smallest peak can be
+        # predicted lower than the lowest-peak plan (its tables are above the simulation by different
+        # amounts per plan; solved as finely as a budget at it is): fuzz seed 804 was refused at
+        # 320,000 B with "smallest feasible 322,496 B", and its plan at 322,496 B was predicted at
+        # 319,760. That plan decides when it is lower.
+        top = smallest - chain.base_bytes
+        at_smallest = chosen.solve(profile, chain, top, slots=finest_slots(chain.n, top))
+        if at_smallest is not None:
+            found = plan_from_ops(profile, at_smallest, chosen.name, budget_bytes)
+            if found.predicted_peak_bytes is not None and found.predicted_peak_bytes < smallest:
+                if found.predicted_peak_bytes <= budget_bytes:
+                    ops = at_smallest
+                else:
+                    smallest, cheapest_ops = found.predicted_peak_bytes, at_smallest
     if ops is None and smallest <= budget_bytes:
         # Memory is discretised on the safe side (NOTE [ Rotor dynamic program ]), so a budget within
         # a few units of the smallest peak can be missed: solve finer, else take the lowest-peak plan.
