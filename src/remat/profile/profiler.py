@@ -77,9 +77,10 @@ log = logging.getLogger(__name__)
 # variant (attention / FFN checkpointed) costs its measured forward once more plus one call.
 #
 # What this costs (issue #9 asked for at most 10 plain steps on a 12-layer GPT): ``repeats`` plain
-# iterations, ceil(repeats / 2) with every block checkpointed, max(1, repeats // 2) under selective
+# iterations, max(1, repeats // 2) with every block checkpointed and as many under selective
 # checkpoints (NOTE [ Op-level policy costs ]), interleaved, one untimed forward of each of the two
-# (NOTE [ Learning calls are not timed ]), and one or two more of a configuration
+# before them (NOTE [ Learning calls are not timed ]: ceil(repeats / 2) with every block checkpointed
+# before, the first of which learned and was left out, so one timed iteration fewer now times it alike), and one or two more of a configuration
 # whose iterations a busy machine disturbed (NOTE [ Disturbed iterations ]); FLOPs counted in the first
 # warm-up iteration, and no warm-up round per configuration (the warm-up iterations warm the
 # model; the first checkpointed step measured no slower than later ones).
@@ -223,7 +224,7 @@ def _schedule(configs: Sequence[str], repeats: int) -> list[str]:
     """The timed iterations, interleaved round by round (NOTE [ Measured checkpoint costs ])."""
     rounds = {
         "plain": repeats,
-        "full": -(-repeats // 2),
+        "full": max(1, repeats // 2),  # none learns: NOTE [ Learning calls are not timed ]
         "selective": max(1, repeats // 2),
     }
     order: list[str] = []
