@@ -286,6 +286,24 @@ def _expect(tp: Any) -> str:
     return names.get(tp, getattr(tp, "__name__", str(tp)))
 
 
+def _refuse_a_path(text: Any, kind: str) -> None:
+    """A RematError with the fix where ``from_json`` was given a file's name, a ``Path`` or a parsed object
+    instead of the file's text (``Plan.from_json("plan.json")``): json's own message says neither."""
+    named = isinstance(text, os.PathLike) or (
+        isinstance(text, str) and text.strip().endswith(".json") and not text.lstrip().startswith("{")
+    )
+    if named:
+        raise RematError(
+            f"{kind} json: got the file name {str(text)!r}, not the file's text; read it first: "
+            f"from_json(Path({str(text)!r}).read_text())"
+        )
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise RematError(
+            f"{kind} json: got {type(text).__name__}, not the file's text; pass the text a to_json() wrote "
+            "(for a dict: json.dumps(d))"
+        )
+
+
 def load(text: str, what: str | Reader, schema_version: int) -> dict[str, Any]:
     """Parse ``text`` as the JSON object of a ``what`` file with ``schema_version``.
 
@@ -298,9 +316,11 @@ def load(text: str, what: str | Reader, schema_version: int) -> dict[str, Any]:
         The object, ``schema_version`` included.
 
     Raises:
-        RematError: If the text is not JSON, not an object, or of another schema version.
+        RematError: If the text is a file name or not text, not JSON, not an object, or of another schema
+            version.
     """
     reader = what if isinstance(what, Reader) else Reader(what)
+    _refuse_a_path(text, reader.kind)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

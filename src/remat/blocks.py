@@ -16,7 +16,7 @@ import itertools
 import textwrap
 import types
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
@@ -973,6 +973,33 @@ def _named_groups(model: nn.Module, named: Sequence[Sequence[str] | str]) -> lis
     return groups
 
 
+def _check_selectors(include: Any, types: Any, filter: Any) -> None:
+    """A BlockSelectionError naming the value for an ``include``, ``types`` or ``filter`` of another kind
+    than :func:`blocks` takes (a class name as a string in ``types``, a pattern in ``filter``)."""
+    # Any iterable of globs is taken, as before; only what cannot be one (an int, a class, a list holding
+    # a non-string) is refused, and a one-shot iterable (a generator) is left unread.
+    patterns = (include,) if isinstance(include, str) else include
+    if include is not None and (
+        not isinstance(patterns, Iterable)
+        or (isinstance(patterns, (list, tuple, set, frozenset)) and not all(isinstance(p, str) for p in patterns))
+    ):
+        raise BlockSelectionError(
+            f"blocks: include={include!r} is not an FQN glob or a list of them; give e.g. include='layers.*'"
+        )
+    classes = types if isinstance(types, tuple) else (types,)
+    if types is not None and not all(isinstance(c, type) for c in classes):
+        hint = "; to choose by module name, use include= with FQN globs ('layers.*')" if isinstance(types, str) else ""
+        raise BlockSelectionError(
+            f"blocks: types={types!r} is not a module class or a tuple of them; pass the class itself, e.g. "
+            f"types=nn.TransformerEncoderLayer{hint}"
+        )
+    if filter is not None and not callable(filter):
+        raise BlockSelectionError(
+            f"blocks: filter={filter!r} is not callable; give a function (module, fqn) -> bool, e.g. "
+            "filter=lambda module, fqn: fqn.startswith('layers.')"
+        )
+
+
 def blocks(
     model: nn.Module,
     *,
@@ -1035,8 +1062,10 @@ def blocks(
 
     Raises:
         BlockSelectionError: If nothing matches, a name does not exist, a group is not consecutive,
-            or groups overlap.
+            or groups overlap; or if ``include`` is not a string or strings, ``types`` not a class or a
+            tuple of classes, or ``filter`` not callable.
     """
+    _check_selectors(include, types, filter)
     lazy = next((n for n, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)), None)
     if lazy is not None:
         raise BlockSelectionError(

@@ -197,7 +197,7 @@ def accumulate(
     divisor = REDUCTIONS[reduction](n)
     losses = []
     for k, mb in enumerate(micro_batches):
-        out = call_model(model, mb)
+        out = call_model(model, mb, "accumulate")
         loss = _checked_loss("accumulate", loss_fn(out) if targets is None else loss_fn(out, targets[k]))
         if divisor != 1:
             loss = loss / divisor
@@ -299,7 +299,7 @@ def autocast_step(
                     f"autocast_step: torch does not autocast to {cast} on {device_type}; pass "
                     f"dtype={_autocast_dtype(device_type, None)} (the default there) or another dtype it supports"
                 )
-            loss = _checked_loss("autocast_step", loss_fn(call_model(model, inputs)))
+            loss = _checked_loss("autocast_step", loss_fn(call_model(model, inputs, "autocast_step")))
         (loss if scaler is None else scaler.scale(loss)).backward()
     except BaseException:
         for p, g in kept:  # a failed step leaves the earlier gradients as they were

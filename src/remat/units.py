@@ -118,8 +118,9 @@ def parse_budget(value: int | float | str | Budget) -> Budget:
 
     Raises:
         RematError: If the value cannot be read, is negative, the share is outside (0%, 100%], a
-            unitless number is below 101 (``"40"``: "did you mean '40%'?"), or a float is not a whole
-            number of bytes (``0.4``: "did you mean '40%'?").
+            unitless number is below 101 (``"40"``: "did you mean '40%'?"; ``1.5``: "did you mean
+            '1.5%' or '1.5GiB'?"), or a float is in (0, 1] (``0.4``: "did you mean '40%'?"). A larger
+            float is rounded down to whole bytes (``0.8 * total_bytes``).
     """
     if isinstance(value, Budget):
         return value
@@ -151,8 +152,10 @@ def parse_budget(value: int | float | str | Budget) -> Budget:
     if number is not None and unitless and 0 < number < _SMALLEST_BYTES_BUDGET:
         # 0.4 reads as a fraction (40%), 40 as a percentage with its sign forgotten.
         share = number * 100 if number < 1 else number
+        # 1.5 is no whole number of bytes and no usual percentage: as likely a size with its unit forgotten.
+        size = f" or '{number:g}GiB'" if number >= 1 and not number.is_integer() else ""
         raise RematError(
-            f"budget: {value!r} has no unit, so it means {int(number)} bytes; did you mean {_pct(share)!r}? "
+            f"budget: {value!r} has no unit, so it means {int(number)} bytes; did you mean {_pct(share)!r}{size}? "
             "write a share with '%' or a size with a unit ('40MiB')"
         )
     try:

@@ -74,7 +74,12 @@ def apply(
             return apply(
                 unwrap(model), plan, allow_stateful=allow_stateful, allow_saved_tensor_hooks=allow_saved_tensor_hooks
             )
-        raise PlanMismatchError(f"apply: the plan ({plan.strategy}) does not fit this model: {e}") from None
+        # The selection's own fix ("select blocks on this model") is not the user's: the plan is for another model.
+        what = str(e).removeprefix("blocks: ").split("; ")[0]
+        raise PlanMismatchError(
+            f"apply: the plan ({plan.strategy}) does not fit this model: {what}; the plan was made for another "
+            f"model (blocks {plan.blocks[0].name}..{plan.blocks[-1].name}): profile and plan this model again"
+        ) from None
     _refuse_inplace_starts(plan, members)
     if plan.fingerprint is not None:
         # "<blocks>.<run>" (remat.blocks.fingerprint); a plan written before <run> existed has only <blocks>.

@@ -13,6 +13,7 @@ from remat.cli.common import (
     block_options,
     check_budgets,
     check_model,
+    check_out_file,
     check_positive,
     check_strategies_fit,
     console,
@@ -85,15 +86,7 @@ def check(args: argparse.Namespace) -> None:
     for flag, d in (("--plots", args.plots), ("--out", args.out)):
         if d is not None and d.exists() and not d.is_dir():
             raise RematError(f"{flag} {str(d)!r}: this is a file, not a directory; give a directory to write into")
-    if args.json is not None and (args.json.is_dir() or not args.json.absolute().parent.is_dir()):
-        raise RematError(
-            f"--json {str(args.json)!r}: "
-            + (
-                "this is a directory; give a file name"
-                if args.json.is_dir()
-                else "its folder does not exist; create it first"
-            )
-        )
+    check_out_file("--json", args.json)
 
 
 def run(args: argparse.Namespace) -> int:

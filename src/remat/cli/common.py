@@ -194,8 +194,21 @@ def write_file(path: Path, text: str) -> None:
     """Write a file the user named, atomically, or raise a RematError saying why it cannot be written."""
     try:
         write_atomic(path, text)
+    except IsADirectoryError:
+        raise RematError(f"cannot write {str(path)!r}: this is a directory; give a file name") from None
     except OSError as e:
         raise RematError(f"cannot write {str(path)!r}: {e.strerror}; check that its folder exists") from None
+
+
+def check_out_file(flag: str, path: Path | None) -> None:
+    """A RematError naming ``flag`` if ``path``, a file a subcommand will write after measuring, is a
+    directory or lies in a folder that does not exist: checked before minutes of measuring."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise RematError(f"{flag} {str(path)!r}: this is a directory; give a file name")
+    if not path.absolute().parent.is_dir():
+        raise RematError(f"{flag} {str(path)!r}: its folder does not exist; create it first")
 
 
 def check_positive(option: str, value: int) -> int:

@@ -110,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
             _reexec_with_timing_env()
         return int(command.run(args) or 0)
     except RematError as e:
+        # One raised from a failure of the user's code (their file, factory or model: `raise ... from e`)
+        # holds that failure as its cause, whose traceback -v promises as for any failure inside the model.
+        if args.verbose and e.__cause__ is not None:
+            raise
         err_console.print(f"error: {e}", markup=False, soft_wrap=True)
         return 1
     except Exception as e:  # the model itself failed (or remat did): one line, the traceback with -v

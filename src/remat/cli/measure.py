@@ -10,6 +10,7 @@ from remat.apply import apply, remove
 from remat.cli.common import (
     add_model_args,
     check_model,
+    check_out_file,
     check_positive,
     console,
     load_workload,
@@ -42,6 +43,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace) -> None:
     """Every mistake that can be seen without building the model, caught before anything is measured."""
     check_positive("--steps", args.steps)
+    check_out_file("--out", args.out)
     if args.plan is not None:
         read_plan(args.plan)
     check_model(args.model, args.sizes)

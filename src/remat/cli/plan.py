@@ -15,6 +15,7 @@ from remat.cli.common import (
     block_options,
     check_budgets,
     check_model,
+    check_out_file,
     console,
     load_workload,
     loop_flags,
@@ -56,6 +57,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace) -> None:
     """Every mistake that can be seen without building the model, caught before anything is measured."""
     check_budgets([args.budget])
+    check_out_file("--out", args.out)
     if args.profile is None:
         check_model(args.model or DEFAULT_MODEL, args.sizes)
         return

@@ -10,6 +10,7 @@ from remat.cli.common import (
     add_split_arg,
     block_options,
     check_model,
+    check_out_file,
     check_positive,
     console,
     load_workload,
@@ -35,6 +36,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 def check(args: argparse.Namespace) -> None:
     """Every mistake that can be seen without building the model, caught before anything is measured."""
     check_positive("--repeats", args.repeats)
+    check_out_file("--out", args.out)
     check_model(args.model, args.sizes)
 
 

@@ -64,6 +64,7 @@ __all__ = [
     "MemoryTrace",
     "call_model",
     "call_loss",
+    "check_loss_fn",
     "train_step",
     "preserved",
     "record_memory",
@@ -93,23 +94,76 @@ def is_tensordict(obj: Any) -> bool:
     return any(c.__name__ == "TensorDictBase" and c.__module__.startswith("tensordict") for c in type(obj).__mro__)
 
 
-def call_model(model: nn.Module, inputs: Any) -> Any:
+def call_model(model: nn.Module, inputs: Any, where: str = "step") -> Any:
     """Call ``model`` on ``inputs``: a tensor (``model(x)``), a tuple/list (``model(*x)``) or a dict, or any
     mapping such as HF's ``BatchEncoding`` (``model(**x)``); a TensorDict is one argument (``model(td)``).
 
     Each call gets its own copy of the containers (pytree's: tuples, lists, dicts, TensorDicts), holding
     the same tensors: remat runs the one batch many times, and a model that writes into the containers it
     is given (a ``TensorDictModule`` sets its ``out_keys`` in its input) would otherwise read the previous
-    iteration's outputs, graph and all, where the user's loop gives every iteration a fresh batch."""
+    iteration's outputs, graph and all, where the user's loop gives every iteration a fresh batch.
+
+    Raises:
+        RematError: If the model's forward fails while a tensor of the batch is on another device, or of
+            another floating dtype, than every parameter (:func:`_batch_mismatch`), chained to the
+            model's own error. Any other failure of the forward propagates as it is.
+    """
     flat, spec = tree_flatten(inputs)
-    inputs = tree_unflatten(flat, spec)
-    if is_tensordict(inputs):
-        return model(inputs)
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
+    copied = tree_unflatten(flat, spec)
+    try:
+        if is_tensordict(copied):
+            return model(copied)
+        if isinstance(copied, Mapping):
+            return model(**copied)
+        if isinstance(copied, (tuple, list)):
+            return model(*copied)
+        return model(copied)
+    except RematError:
+        raise
+    except Exception as e:
+        # NOTE [ A batch on another device or dtype ]: the check runs only once the forward has failed,
+        # so a model that moves or casts its batch itself (or runs under autocast) is never refused;
+        # where it did fail and the batch does not match the parameters, that mismatch is the likely
+        # cause and the message says how to fix it, with torch's own error chained below.
+        mismatch = _batch_mismatch(model, inputs)
+        if mismatch is None:
+            raise
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise RematError(
+            f"{where}: the model's forward failed on the batch ({type(e).__name__}: {first}); {mismatch}"
+        ) from e
+
+
+def _batch_mismatch(model: nn.Module, inputs: Any) -> str | None:
+    """Words for the first tensor of ``inputs`` on a device no parameter is on, or of a floating dtype no
+    floating parameter has (integer tensors, token ids, are never a mismatch), with the fix; ``None`` if
+    there is none (or the model has no parameters)."""
+    params = list(model.parameters())
+    if not params:
+        return None
+    devices = {p.device for p in params}
+    dtypes = {p.dtype for p in params if p.is_floating_point()}
+    try:
+        from torch.utils._pytree import keystr, tree_flatten_with_path
+
+        leaves = [(f"inputs{keystr(path)}", leaf) for path, leaf in tree_flatten_with_path(inputs)[0]]
+    except (ImportError, TypeError, ValueError):  # a container pytree cannot name its paths in
+        leaves = [("inputs", leaf) for leaf in tree_leaves(inputs)]
+    want_device = str(params[0].device)
+    for name, leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.device not in devices:
+            return (
+                f"{name} is on {leaf.device} but the model's parameters are on {want_device}; move the batch to the "
+                f"model's device (x.to({want_device!r})) or the model to the batch's (model.to({str(leaf.device)!r}))"
+            )
+    for name, leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and dtypes and leaf.dtype not in dtypes:
+            want = str(next(p.dtype for p in params if p.is_floating_point()))
+            return (
+                f"{name} is {leaf.dtype} but the model's parameters are {', '.join(sorted(map(str, dtypes)))}; cast "
+                f"the batch (x.to({want})) or the model (model.to({leaf.dtype}))"
+            )
+    return None
 
 
 def call_loss(loss_fn: Callable[[Any], torch.Tensor], output: Any, where: str) -> torch.Tensor:
@@ -125,6 +179,7 @@ def call_loss(loss_fn: Callable[[Any], torch.Tensor], output: Any, where: str) -
             wants the targets), or does not return a scalar tensor that requires grad. A TypeError raised
             inside a loss that does take one argument is the user's own, and propagates as it is.
     """
+    check_loss_fn(loss_fn, where)
     try:
         loss = loss_fn(output)
     except TypeError:
@@ -143,6 +198,17 @@ def call_loss(loss_fn: Callable[[Any], torch.Tensor], output: Any, where: str) -
             "lambda out: F.cross_entropy(out, y)"
         )
     return loss
+
+
+def check_loss_fn(loss_fn: Any, where: str) -> None:
+    """A RematError naming ``loss_fn`` unless it can be called (``None``, or the loss tensor itself,
+    passed where the function that makes it belongs)."""
+    if not callable(loss_fn):
+        what = f"a tensor of shape {tuple(loss_fn.shape)}" if isinstance(loss_fn, torch.Tensor) else repr(loss_fn)[:80]
+        raise RematError(
+            f"{where}: loss_fn is {what}, not a function; pass one that maps the model's output to a scalar "
+            "loss, e.g. lambda out: F.cross_entropy(out, y)"
+        )
 
 
 def _takes_one_argument(fn: Callable[..., Any], arg: Any) -> bool:
@@ -177,7 +243,7 @@ def train_step(
         raise RematError(
             f"{where}: gradients are disabled (torch.no_grad() or inference_mode); remat measures training steps, call it with grad enabled"
         )
-    out = call_model(model, inputs)
+    out = call_model(model, inputs, where)
     loss = call_loss(loss_fn, out, where)
     loss.backward()
     return loss.detach()
@@ -724,6 +790,7 @@ def iteration(
         RematError: For an unknown ``grads`` or an ``optimizer`` that is not one.
     """
     style = parse_grads(grads, where)
+    check_loss_fn(loss_fn, where)
     opt, built = _optimizer(model, optimizer, where)
     loop = Loop(style, type(opt).__name__ if opt is not None else None)
     with contextlib.ExitStack() as stack:

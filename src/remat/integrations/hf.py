@@ -190,8 +190,9 @@ def _callback_class() -> type:
         """A ``transformers.TrainerCallback`` that runs :func:`enable` on the first training batch.
 
         At ``on_train_begin`` it draws the first batch of the Trainer's training dataloader (the RNG
-        state restored afterwards, so training sees the same batches), profiles the model on it, plans
-        for ``budget`` and applies the plan; training then runs with it. Leave the Trainer's
+        state restored afterwards, so training sees the same batches), profiles the model on it in the
+        Trainer's loop (its optimizer's step included, the optimizer put back afterwards), plans for
+        ``budget`` and applies the plan; training then runs with it. Leave the Trainer's
         ``gradient_checkpointing`` off. The budget holds for batches shaped like the first one: with
         padding to the longest sequence in each batch, call :func:`enable` on the longest batch instead.
 
@@ -237,6 +238,7 @@ def _callback_class() -> type:
                 loss_fn=self.loss_fn,
                 solver=self.solver,
                 repeats=self.repeats,
+                optimizer=kwargs.get("optimizer"),
                 allow_saved_tensor_hooks=self.allow_saved_tensor_hooks,
             )
 

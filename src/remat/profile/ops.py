@@ -523,7 +523,7 @@ def _one_forward(
             torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t),
             rec,
         ):
-            out = call_model(model, inputs)
+            out = call_model(model, inputs, "profile")
     finally:
         for h in handles:
             h.remove()

@@ -667,7 +667,7 @@ def _pinned(
         # NOTE [ What stays alive anyway ]: what the members save is dropped, what the code between them
         # saves is kept (a span records only its members' calls).
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            out = call_model(model, inputs)
+            out = call_model(model, inputs, "profile")
             loss = loss_fn(out)
             mark("loss")
             del out, loss
