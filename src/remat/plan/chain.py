@@ -219,6 +219,9 @@ class Chain:
             last, one ``(bytes, producer, freed_after, users)`` per tensor (``remat.profile.types.LateInput``;
             not per block: any number of entries, default none). A segment over blocks that take one from
             before it holds it to its backward (``late_held_bytes``, ``late_replay_bytes``).
+        code_held_inputs: Block outputs the model's code holds past their last (saving) taker, one
+            ``(bytes, producer, freed_after, users, freed_first, netted)`` per tensor
+            (``remat.profile.types.LateInput``; default none): ``late_made_bytes``, ``code_held_frees``.
     """
 
     fwd_ms: tuple[float, ...]
@@ -258,7 +261,7 @@ class Chain:
     joinable: tuple[bool, ...] = ()
     reached: tuple[bool, ...] = ()
     late_inputs: tuple[tuple[int, int, int, tuple[int, ...]], ...] = ()
-    code_held_inputs: tuple[tuple[int, int, int, tuple[int, ...], bool], ...] = ()
+    code_held_inputs: tuple[tuple[int, int, int, tuple[int, ...], bool, bool], ...] = ()
     held_input_bwd_bytes: tuple[int, ...] = ()
     # Per block, the rise of the code before it above the level at its start (included in fwd_peak_bytes;
     # a sub-module checkpoint does not lower it).
@@ -447,20 +450,36 @@ class Chain:
         backward, whose replay runs without them (its kept blocks charge them again)."""
         return self._late_made[start][stop] if self._late_made else 0
 
-    def code_held_frees(self, start: int, stop: int) -> tuple[tuple[int, int], ...]:
-        """``(block, bytes)`` of what ``late_made_bytes(start, stop)`` charges for ``code_held_inputs``, per
-        block after whose forward (and forward peak) the model's code has freed it: ``freed_after`` when it
-        frees it before the code after that block allocates, else the next block (the head's is ``n``). The
-        plain step saves such a tensor to the backward, so no kept block's ``gap_bytes`` credits that free; the
-        simulator takes it off the level there (NOTE [ Outputs the model's code holds past their saving taker ]
-        in ``remat.profile.profiler``). Of each producer's bytes, ``pinned_out_bytes`` + ``reused_bytes`` less
-        the plain step's late inputs are taken off first (``late_made_bytes`` takes them off the sum)."""
+    def gap_netted_bytes(self, q: int, nbytes: int, last: bool) -> int:
+        """How much of a free of ``nbytes`` in the gap after block ``q`` (which ``gap_bytes[q]`` nets) a segment
+        running block ``q`` nets too, bytes: its ``segment_bytes`` counts that gap's rises only
+        (``max(0, g + gf)``), and, where ``q`` is its ``last`` block, takes off ``released_bytes[q]``, which
+        holds the free up to its size (NOTE [ Code-held frees the plain step nets ] in
+        ``remat.profile.profiler``)."""
+        g, gf = int(self.gap_bytes[q]), int(self.gap_freed_input_bytes[q])
+        netted = max(0, g + gf + nbytes) - max(0, g + gf)
+        if last:
+            netted += min(int(self.released_bytes[q]), nbytes)
+        return min(nbytes, netted)
+
+    def code_held_frees(self, start: int, stop: int) -> tuple[tuple[int, int, int], ...]:
+        """``(block, bytes, netted_after)`` of what ``late_made_bytes(start, stop)`` charges for
+        ``code_held_inputs``, per block after whose forward (and forward peak) the model's code has freed it:
+        ``freed_after`` when it frees it before the code after that block allocates, else the next block (the
+        head's is ``n``). The plain step saves such a tensor to the backward, so no kept block's ``gap_bytes``
+        credits that free; the simulator takes it off the level there (NOTE [ Outputs the model's code holds
+        past their saving taker ] in ``remat.profile.profiler``). Of each producer's bytes, ``pinned_out_bytes``
+        + ``reused_bytes`` less the plain step's late inputs are taken off first (``late_made_bytes`` takes
+        them off the sum). ``netted_after``: for a tensor the plain step frees in the forward too (``netted``),
+        its ``freed_after``, where the measured numbers net that free when block ``freed_after`` is kept (its
+        ``gap_bytes``) or is the last (the head's peak); -1 for the others (NOTE [ Code-held frees the plain
+        step nets ] in ``remat.profile.profiler``)."""
         n = self.n
-        out: dict[int, int] = {}
+        out: dict[tuple[int, int], int] = {}
         for p in range(start, stop):
             recs = sorted(
-                (fa if first else fa + 1, nb)
-                for nb, prod, fa, users, first in self.code_held_inputs
+                (fa if first else fa + 1, nb, fa if netted else -1)
+                for nb, prod, fa, users, first, netted in self.code_held_inputs
                 if prod == p and nb > 0 and users and max(users) < stop <= min(fa, n - 1)
             )
             if not recs:
@@ -471,12 +490,12 @@ class Chain:
                 if prod == p and nb > 0 and users and min(users) > p and max(users) < stop <= min(fa, n - 1)
             )
             absorb = max(0, int(self.pinned_out_bytes[p]) + int(self.reused_bytes[p]) - plain)
-            for fa, nb in reversed(recs):  # what the segment holds anyway: the longest held first
+            for after, nb, netted_after in reversed(recs):  # what the segment holds anyway: the longest held first
                 take = min(absorb, int(nb))
                 absorb -= take
-                if nb - take > 0 and fa <= n:
-                    out[fa] = out.get(fa, 0) + int(nb) - take
-        return tuple(sorted(out.items()))
+                if nb - take > 0 and after <= n:
+                    out[(after, netted_after)] = out.get((after, netted_after), 0) + int(nb) - take
+        return tuple(sorted((after, nbytes, netted_after) for (after, netted_after), nbytes in out.items()))
 
     def late_records(
         self, start: int, stop: int
@@ -626,7 +645,7 @@ def _late_tables(
     late: tuple[tuple[int, int, int, tuple[int, ...]], ...],
     n: int,
     covered: list[int] | None = None,
-    code_held: tuple[tuple[int, int, int, tuple[int, ...], bool], ...] = (),
+    code_held: tuple[tuple[int, int, int, tuple[int, ...], bool, bool], ...] = (),
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
     """``[start][stop]`` tables of ``Chain.late_held_bytes``, ``Chain.late_replay_bytes`` and
     ``Chain.late_made_bytes`` (empty without late inputs; ``covered[p]``: what a segment over block ``p``
@@ -639,7 +658,7 @@ def _late_tables(
     replay = [[0] * (n + 2) for _ in range(n + 1)]
     made = [[0] * (n + 2) for _ in range(n + 1)]
     by_producer = [[0] * (n + 2) for _ in range(n + 1)]
-    for nbytes, producer, freed_after, users, _ in code_held:
+    for nbytes, producer, freed_after, users, *_ in code_held:
         # Saved by its taker in the plain step: only a segment making and taking it charges it (NOTE [ Outputs
         # the model's code holds past their saving taker ] in remat.profile.profiler).
         ordered = sorted(u for u in users if 0 <= u < n)
@@ -934,7 +953,8 @@ def chain_of(profile: Profile) -> Chain:
         grad_bytes=tuple(b.grad_bytes for b in bps) + (profile.head_grad_bytes,),
         late_inputs=tuple((li.nbytes, li.producer, li.freed_after, tuple(li.users)) for li in profile.late_inputs),
         code_held_inputs=tuple(
-            (li.nbytes, li.producer, li.freed_after, tuple(li.users), li.freed_first) for li in profile.code_held_inputs
+            (li.nbytes, li.producer, li.freed_after, tuple(li.users), li.freed_first, li.netted)
+            for li in profile.code_held_inputs
         ),
         held_input_bwd_bytes=tuple(b.held_input_bwd_bytes for b in bps) + (0,),
         gap_rise_bytes=(0,) + tuple(_gap_rise(b) for b in bps[:-1]) + (0,),

@@ -282,9 +282,12 @@ class _Simulator:
         # checkpoint, the bytes still on the level; dropped at the head.
         self.fwd_only: dict[int, int] = {}
         # Code-held tensors a top-level segment made, freed after a later kept block (Chain.code_held_frees): per
-        # block, (checkpoint, bytes); per checkpoint, the bytes already taken off the level.
-        self.code_frees: dict[int, list[tuple[int, int]]] = {}
+        # block, (checkpoint, bytes, netted_after); per checkpoint, the bytes already taken off the level.
+        self.code_frees: dict[int, list[tuple[int, int, int]]] = {}
         self.code_freed: dict[int, int] = {}
+        # The blocks of the top-level segments run so far: whether each is its segment's last (its gap then nets
+        # a free as Chain.gap_netted_bytes says).
+        self.in_segment: dict[int, bool] = {}
 
     def _late(self, op: Recompute) -> tuple[int, tuple[int, ...]]:
         """What a checkpoint charges for the late inputs it holds from its end that no open checkpoint
@@ -357,14 +360,15 @@ class _Simulator:
             if replay:
                 self.level -= fwd_only
                 # A replay runs its blocks without the model's code between them: nothing holds them.
-                gone = sum(nbytes for _, nbytes in c.code_held_frees(op.start, op.stop))
+                gone = sum(nbytes for _, nbytes, _ in c.code_held_frees(op.start, op.stop))
                 self.level -= gone
                 self.code_freed[id(op)] = gone
             else:
                 self.fwd_only[id(op)] = fwd_only
                 # Taken off after that block's forward, at the top level (a replay's, a later segment's: held).
-                for after, nbytes in c.code_held_frees(op.start, op.stop):
-                    self.code_frees.setdefault(after, []).append((id(op), nbytes))
+                for after, nbytes, netted_after in c.code_held_frees(op.start, op.stop):
+                    self.code_frees.setdefault(after, []).append((id(op), nbytes, netted_after))
+                self.in_segment.update((q, q == op.stop - 1) for q in range(op.start, op.stop))
                 # Those an earlier segment made that the code freed inside this one: gone by its end.
                 for q in range(op.start, op.stop):
                     self._code_free(q)
@@ -381,8 +385,19 @@ class _Simulator:
     def _code_free(self, q: int) -> None:
         """Takes off the level the code-held tensors freed in the code before block ``q`` (the head's for
         ``q = n``), once its forward has peaked (NOTE [ Outputs the model's code holds past their saving
-        taker ] in ``remat.profile.profiler``)."""
-        for key, nbytes in self.code_frees.pop(q, ()):
+        taker ] in ``remat.profile.profiler``). Less what the measured numbers take off already of one the plain
+        step frees too (NOTE [ Code-held frees the plain step nets ]): all of it after a block kept in this
+        forward (its ``gap_bytes``) or the last block (the head's peak), what the gap nets where a segment runs
+        the block (``Chain.gap_netted_bytes``)."""
+        c = self.chain
+        for key, nbytes, fa in self.code_frees.pop(q, ()):
+            if fa >= 0:
+                if fa in self.kept_run or fa >= c.n - 1:
+                    nbytes = 0
+                elif fa in self.in_segment:
+                    nbytes -= c.gap_netted_bytes(fa, nbytes, last=self.in_segment[fa])
+            if nbytes <= 0:
+                continue
             self.level -= nbytes
             self.code_freed[key] = self.code_freed.get(key, 0) + nbytes
 

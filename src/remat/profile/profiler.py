@@ -535,14 +535,19 @@ def profile(
         _stop_share(block_ops, n),
         call_ms,
     )
-    late = _late_inputs(trace, tracked, n)
+    netted: set[tuple[int, int, tuple[int, ...]]] = set()  # NOTE [ Code-held frees the plain step nets ]
+    late = _late_inputs(trace, tracked, n, netted)
     known = {(li.nbytes, li.producer, tuple(li.users)) for li in late}
     prof = replace(
         prof,
         loop=it.loop,
         block_ops=block_ops,
         late_inputs=late,
-        code_held_inputs=tuple(li for li in code_held if (li.nbytes, li.producer, tuple(li.users)) not in known),
+        code_held_inputs=tuple(
+            li._replace(netted=(li.nbytes, li.producer, tuple(li.users)) in netted)
+            for li in code_held
+            if (li.nbytes, li.producer, tuple(li.users)) not in known
+        ),
     )
     gap_freed = _gap_freed_inputs(trace, tracked, n)
     gap_freed_out = _gap_freed_outputs(trace, tracked, n)
@@ -807,6 +812,31 @@ def _pinned(
 # level only (a later segment freeing it inside: at that segment's end); the solvers' tables hold it to the
 # segment's backward, on the safe side. Measured: seed 172's ``K0 K1 R[2:5](K2 K3 K4) K5 K6 K7`` 324736 =
 # predicted (305384 before); ``R[2:4]``, ``R[3:5]``, ``R[4:5]`` stay exact.
+
+
+# NOTE [ Code-held frees the plain step nets ]
+# NOTE [ Outputs the model's code holds past their saving taker ] assumes the taker saves the tensor in the
+# plain step, so no measured number nets its free and the simulator takes it off itself. A taker may save a
+# copy instead: fuzz seed 836 (split) runs ``x = bn0(x.transpose(1, 2)).transpose(1, 2)`` then ``aux_head(x)``,
+# a Linear whose matmul saves a contiguous copy of the non-contiguous view (an unlinked input, left out of
+# ``late_inputs`` as charged by ``unlinked_bytes``). The plain step then frees ``bn0``'s output where the code
+# drops it (the model's ``h`` rebound after ``blocks.1`` returns: in the head), and the head's measured peak
+# nets that free already. The simulator took it off too: freed twice, and ``R[0:2](K0 K1) K2 K3`` measured
+# 88456 B against 84096 predicted (1.052x; the fuzz cell split/sqrt). Such an entry is marked
+# ``LateInput.netted`` (``_late_inputs`` names every input the plain step frees in the forward, as ``code_held``
+# names them: the allocating block and the takers). How much of the free a measured number nets depends on
+# how the plan runs block ``freed_after``: all of it where the block is kept (its signed ``gap_bytes`` is on
+# the level; fuzz seed 808 split) or is the last (the head's peak); where a segment runs it, what its
+# ``segment_bytes`` nets of that gap (rises only, ``max(0, g + gf)``, and ``released_bytes`` where the block is
+# the segment's last: ``Chain.gap_netted_bytes``). ``Chain.code_held_frees`` names ``freed_after`` for such an
+# entry, and the simulator takes off the rest only (``_Simulator._code_free``); a replay, where the code
+# between blocks does not run, still drops it whole at once. Its ``late_made_bytes`` charge stays: the segment
+# holds the view as its block's argument (``unlinked_bytes``) and the code holds the storage once more in the
+# plain accounting, which the measured free takes off; from the segment's end to that free it is charged twice
+# (safe side). Measured (tests/plan/test_code_held_unlinked.py, 64x16x4 floats): ``R[0:2](K0 K1) K2 K3``
+# 220124 B for 219604 predicted (203220 before, 1.083x); with a block after the free, the free after a kept
+# block 1.002x (1.067x), at the end of a segment ``R[2:4]`` 1.002x (1.066x), inside ``R[3:5]`` 1.002x (as
+# before). Seed 836's cell: 88192 B predicted for 88456 (0.997x).
 
 
 # NOTE [ Inputs held to the sub-module's backward end ]
@@ -1084,11 +1114,18 @@ def _dead_saved(trace: MemoryTrace, tracked: Probe, n: int) -> tuple[list[tuple[
     return out, late
 
 
-def _late_inputs(trace: MemoryTrace, tracked: Probe, n: int) -> tuple[LateInput, ...]:
+def _late_inputs(
+    trace: MemoryTrace, tracked: Probe, n: int, netted: set[tuple[int, int, tuple[int, ...]]] | None = None
+) -> tuple[LateInput, ...]:
     """The block inputs that the plain step frees in the forward after the block that takes them last
     (``Profile.late_inputs``; NOTE [ Chain cost model ]): T5's position bias, made by a stack's first layer,
     taken by every layer and saved by none, is dropped when the stack returns (in a gap, or in the head
     for the last stack), while a checkpoint over layers that take it holds it to its backward.
+
+    ``netted`` receives ``(bytes, producer, users)`` of every block input the plain step frees in the forward,
+    the unlinked ones left out of the result included, named as ``Profile.code_held_inputs`` are (the block
+    that allocated it, the blocks that take it): NOTE [ Code-held frees the plain step nets ].
+
 
     A storage is named by its address and a time (the allocator reuses addresses): the allocation live
     at that address when a block that takes it starts. Inputs the step did not allocate (held before it),
@@ -1126,6 +1163,8 @@ def _late_inputs(trace: MemoryTrace, tracked: Probe, n: int) -> tuple[LateInput,
         if freed >= backward:
             continue  # freed in the backward (saved, or held by the model): the plain step holds it as long
         producer = bisect_right(begin, born) - 1
+        if netted is not None:
+            netted.add((int(size), producer, tuple(users)))
         # NOTE [ Unlinked inputs taken again later ]
         maker = unlinked.get((ptr, born))
         if maker is not None:

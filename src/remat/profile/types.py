@@ -31,6 +31,9 @@ class LateInput(NamedTuple):
         users: The blocks that take it, in order.
         freed_first: Freed before the code after ``freed_after`` allocates anything (the model's code returns
             before it goes on); recorded for ``Profile.code_held_inputs`` only.
+        netted: The plain step frees it in the forward too (its taker saves a copy, not it), so the gap after
+            ``freed_after`` (or the head's peak) nets that free already (NOTE [ Code-held frees the plain step
+            nets ] in ``remat.profile.profiler``); recorded for ``Profile.code_held_inputs`` only.
     """
 
     nbytes: int
@@ -38,6 +41,7 @@ class LateInput(NamedTuple):
     freed_after: int
     users: tuple[int, ...]
     freed_first: bool = False
+    netted: bool = False
 
 
 @dataclass(frozen=True)
@@ -307,7 +311,8 @@ class Profile:
             last (:class:`LateInput`; inputs made between blocks excepted: ``unlinked_bytes``).
         code_held_inputs: Block outputs that the model's code holds after the last block that takes them, which
             saves them in the plain step (:class:`LateInput`, measured with the blocks saving nothing;
-            NOTE [ Outputs the model's code holds past their saving taker ] in ``remat.profile.profiler``).
+            NOTE [ Outputs the model's code holds past their saving taker ] in ``remat.profile.profiler``), or
+            saves a copy of them (``netted``: the plain step frees them where the code drops them).
     """
 
     schema_version: ClassVar[int] = 1
