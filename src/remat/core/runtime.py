@@ -121,6 +121,7 @@ from remat.core.wrapped import unwrap
 from remat.errors import RematError, higher_order_refused
 
 __all__ = [
+    "side_written",
     "install",
     "uninstall",
     "attach",
@@ -153,6 +154,22 @@ class _Local(threading.local):
 
 
 _LOCAL = _Local()
+
+
+# NOTE [ Ops that fill a saved argument ]
+# Autograd saves an op's tensor arguments before the kernel runs. Most ops only read them, but a few fill a
+# tensor they are given and do not return, and save it for their backward: ``F.rrelu`` makes
+# ``noise = empty_like(x)`` and calls ``rrelu_with_noise(x, noise, ...)``, which saves ``noise`` (and ``x``)
+# and then draws the slopes into it. A replay that stops as soon as the last holder is filled (torch's early
+# stop) stops before that kernel, and the backward reads ``noise`` unfilled: uninitialised memory, silently
+# (``torch.utils.checkpoint`` over an RReLU alone does just that). The learning call of a member notes such an
+# op on a tensor the call made (``GeneratorWatch.fills_made``, by the op's schema: a written argument no output
+# aliases; BatchNorm's running statistics are buffers, not made by the call, and stay out); a replay whose last
+# holder belongs to such a member runs that member's call to its end before it stops
+# (``_Frame.stop_after_call``): more of the replay than an early stop, only for these members. Torch's
+# selective checkpoint, which runs op-level policies, stops the same way and cannot be told otherwise per
+# op: the per-op profile notes such a block (``BlockOps.fills_saved``), the planner offers it no policy, and
+# a policy written by hand for one is refused on its first call (``_run_policy``).
 
 
 class _Stop(Exception):
@@ -218,6 +235,9 @@ class _Role:
     check_params: bool = True
     root: Any = None  # a weak reference to the model: sharded by FSDP2 after apply, its parameters move
     py_rng: bool = False  # its first call drew from Python's or numpy's global generator
+    # Its first call ran an op that fills a tensor the call made through an argument it does not return
+    # (``rrelu_with_noise``'s noise): a replay must not stop inside it (NOTE [ Ops that fill a saved argument ]).
+    fills_saved: bool = False
     # The plain attributes (ints, floats, strings ...) of its modules that its first call changed: a call
     # counter, a step read by a schedule (NOTE [ State under recomputation ]).
     attrs: tuple[tuple[nn.Module, str], ...] = ()
@@ -584,6 +604,9 @@ class GeneratorWatch(TorchDispatchMode):
         # ``ws.narrow(0, 0, n).zero_()``), by (storage offset, shape, strides): later uses of that same part
         # read or update the call's own values, not the outside tensor's.
         self.filled: dict[int, set[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
+        # An op filled a tensor the call made through an argument it does not return (NOTE [ Ops that fill
+        # a saved argument ]).
+        self.fills_made = False
 
     @property
     def all_reads(self) -> tuple[weakref.ref[torch.Tensor], ...]:
@@ -625,6 +648,13 @@ class GeneratorWatch(TorchDispatchMode):
         if isinstance(gen, torch.Generator) and id(gen) not in self.defaults and id(gen) not in self.found:
             self.found[id(gen)] = (gen, gen.get_state())
         written = _written(func, args, kwargs)
+        if not self.fills_made and written:
+            side = side_written(func, args, kwargs)
+            self.fills_made = any(
+                (made := self.made.get(id(t))) is not None and made() is t
+                for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and id(t) in side
+            )
         # An out= variant that reads what it writes (``torch.add(acc, s, out=acc)``) updates it, as ``acc.add_(s)``.
         read_too = _read_args(func, args, kwargs) & written if written else set()
         overwrites = _overwrites(func)
@@ -799,6 +829,25 @@ def _read_args(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> set[in
     return _written(func, args, kwargs, write=False)
 
 
+def side_written(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> set[int]:
+    """Ids of the tensors an op writes into through an argument that none of its outputs aliases
+    (``rrelu_with_noise``'s ``noise``), not as an in-place op (``add_``) or an ``out=`` variant, which return
+    what they write (NOTE [ Ops that fill a saved argument ])."""
+    try:
+        arguments = func._schema.arguments
+        returned = {a for r in func._schema.returns if r.alias_info is not None for a in r.alias_info.before_set}
+    except AttributeError:
+        return set()
+    out: set[int] = set()
+    for i, arg in enumerate(arguments):
+        alias = arg.alias_info
+        if alias is None or not alias.is_write or set(alias.before_set) & returned:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        out.update(id(t) for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return out
+
+
 def _digest(state: torch.Tensor) -> bytes:
     """A digest of an RNG state (BLAKE2b, 16 bytes): two states with equal digests are taken as equal."""
     return hashlib.blake2b(state.numpy().tobytes(), digest_size=16).digest()
@@ -958,6 +1007,9 @@ class _Frame:
         # (call, output leaf) -> its storage, weakly, for the outputs counted as made by their call (with no
         # autograd node, by their storage: ``made_since``) that a later member edited in place (check_made).
         self.edited_outs: dict[tuple[int, int], weakref.ref[torch.UntypedStorage]] = {}
+        # The replay filled every holder inside a call that must run to its end first (NOTE [ Ops that fill a
+        # saved argument ]).
+        self.stop_after_call = False
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -1161,6 +1213,9 @@ class _Frame:
                         _set_py_states(call.py_rng)
                     out = _replay_call(call, args, kwargs)
                     del args, kwargs
+                    if self.stop_after_call:
+                        self.stop_after_call = False
+                        raise _Stop
                     if self.edited_outs:
                         self.check_made(index, out)
                     # Hold a replayed output only while a later call takes it (as the forward did).
@@ -1324,7 +1379,11 @@ def _replay_pack(frame_ref: weakref.ref[_Frame], gid: int) -> Callable[[torch.Te
             holder.handles[gid] = handle
             frame.recomputed[gid][handle] = t
         if frame.counter[gid] == len(frame.holders):
-            raise _Stop
+            if frame.calls[frame.owner[idx]].role.fills_saved:
+                # NOTE [ Ops that fill a saved argument ]: the op saving this tensor has not run yet.
+                frame.stop_after_call = True
+            else:
+                raise _Stop
         return t
 
     return pack
@@ -2045,6 +2104,16 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
                 "numbers in its recomputation; keep this block or recompute it whole (remat.plan does not offer "
                 "policies for such blocks)"
             )
+        if watch.fills_made:
+            # NOTE [ Ops that fill a saved argument ]: torch's selective checkpoint stops its recomputation
+            # inside such an op, before its kernel fills what the backward reads.
+            raise RematError(
+                f"apply: module {role.name!r} runs an op that fills a tensor it made through an argument it does not "
+                "return and saves it (RReLU's noise: rrelu_with_noise), which torch's selective checkpoint recomputes "
+                "only up to before that op's kernel, so an op-level policy (RecomputeOps) would compute its backward "
+                "with unfilled memory; keep this block or recompute it whole (remat.plan does not offer policies "
+                "for such blocks)"
+            )
         role.learned, role.learned_training = True, module.training
         role.reads = watch.all_reads
         updated = [t for t in (ref() for ref in watch.updated.values()) if t is not None]
@@ -2174,6 +2243,7 @@ def _invoke(
     if watch is not None:
         role.generators = tuple(gen for gen, _ in watch.found.values())
         role.reads = watch.all_reads
+        role.fills_saved = role.fills_saved or watch.fills_made
         updated = [t for t in (ref() for ref in watch.updated.values()) if t is not None]
         if updated:
             role.learned = False  # refused on every call, not only the first

@@ -185,6 +185,10 @@ class Chain:
             does not take them); a segment going on past the block never charged them, so it holds
             ``max(0, gap_bytes + gap_freed_input_bytes + gap_freed_output_bytes)`` of that gap (default 0;
             ``BlockProfile.gap_freed_output_bytes``).
+        gap_freed_unlinked_bytes: Bytes of each block's inputs made between blocks (``unlinked_bytes``) that the
+            gap after it frees, which ``gap_bytes`` nets; a segment going on through the block (not starting at
+            it: ``unsaved_input_bytes`` covers that) holds them, and so that much more of the gap (default 0;
+            NOTE [ Unlinked inputs freed in the gap ]).
         held_input_bwd_bytes: How much higher each block's backward peaks when a segment over it holds its
             inputs to its backward end, where the plain step frees some in that backward (default 0;
             ``BlockProfile.held_input_bwd_bytes``): a segment's inner plan runs that much higher.
@@ -251,6 +255,7 @@ class Chain:
     freed_input_bytes: tuple[int, ...] = ()
     gap_freed_input_bytes: tuple[int, ...] = ()
     gap_freed_output_bytes: tuple[int, ...] = ()
+    gap_freed_unlinked_bytes: tuple[int, ...] = ()
     released_bytes: tuple[int, ...] = ()
     pending_grad_bytes: tuple[int, ...] = ()
     rng_copy_bytes: tuple[int, ...] = ()
@@ -288,6 +293,7 @@ class Chain:
     _inside: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _before_last: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _unlinked: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _unlinked_gap: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _rng_copies: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _late_held: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _late_replay: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
@@ -309,6 +315,7 @@ class Chain:
             "freed_input_bytes",
             "gap_freed_input_bytes",
             "gap_freed_output_bytes",
+            "gap_freed_unlinked_bytes",
             "released_bytes",
             "pending_grad_bytes",
             "rng_copy_bytes",
@@ -357,6 +364,20 @@ class Chain:
         ]
         object.__setattr__(self, "_n", n)
         object.__setattr__(self, "_inside", tuple(itertools.accumulate(inside, initial=0)))
+        # NOTE [ Unlinked inputs freed in the gap ]: for the blocks after a segment's first.
+        unlinked_gap = [
+            (
+                max(
+                    0,
+                    int(self.gap_bytes[q]) + int(self.gap_freed_input_bytes[q]) + int(self.gap_freed_unlinked_bytes[q]),
+                )
+                - max(0, int(self.gap_bytes[q]) + int(self.gap_freed_input_bytes[q]))
+            )
+            if q < n
+            else 0
+            for q in range(n + 1)
+        ]
+        object.__setattr__(self, "_unlinked_gap", tuple(itertools.accumulate(unlinked_gap, initial=0)))
         object.__setattr__(self, "_before_last", tuple(itertools.accumulate(before_last, initial=0)))
         object.__setattr__(self, "_unlinked", tuple(itertools.accumulate(map(int, self.unlinked_bytes), initial=0)))
         object.__setattr__(self, "_rng_copies", tuple(itertools.accumulate(map(int, self.rng_copy_bytes), initial=0)))
@@ -385,15 +406,34 @@ class Chain:
         this, a plan ending in such a segment ran over its prediction and budget by that much (an e3nn
         ``o3.Linear`` as the last block, which saves a copy of its input, not the input: 1.09x). Not an
         input made between blocks (``producer in users``: the segment holds it as ``unlinked_bytes``; NOTE
-        [ Unlinked inputs taken again later ] in ``remat.profile.profiler``)."""
+        [ Unlinked inputs taken again later ] in ``remat.profile.profiler``). Nor a tensor the model's code holds
+        past its saving taker to the head (``code_held_inputs``: NOTE [ Code-held tensors freed in the head ])."""
         if not self.n:
             return 0
-        fi = int(self.freed_input_bytes[self.n - 1]) if self.freed_input_bytes else 0
-        late = sum(
-            int(nbytes)
-            for nbytes, producer, freed_after, users in self.late_inputs
-            if freed_after >= self.n and start <= producer < self.n - 1 and nbytes > 0 and producer not in users
-        )
+        n = self.n
+        fi = int(self.freed_input_bytes[n - 1]) if self.freed_input_bytes else 0
+        late = 0
+        for p in range(start, n - 1):
+            plain = sum(
+                int(nbytes)
+                for nbytes, producer, freed_after, users in self.late_inputs
+                if freed_after >= n and producer == p and nbytes > 0 and producer not in users
+            )
+            # NOTE [ Code-held tensors freed in the head ]
+            code = sum(
+                int(nbytes)
+                for nbytes, producer, freed_after, users, first, _netted in self.code_held_inputs
+                if producer == p
+                and nbytes > 0
+                and users
+                and min(users) > p
+                and freed_after >= n - 1
+                and not (first and freed_after == n - 1)
+            )
+            # What segment_bytes charges of p's outputs anyway (pinned_out_bytes, reused_bytes), as in
+            # code_held_frees: less the plain late inputs, which segment_bytes does not charge.
+            absorb = max(0, int(self.pinned_out_bytes[p]) + int(self.reused_bytes[p]) - plain)
+            late += plain + max(0, code - absorb)
         return fi + late
 
     def kept_level_bytes(self, k: int) -> int:
@@ -420,6 +460,8 @@ class Chain:
             - self._before_last[start]
             + self._unlinked[stop]
             - self._unlinked[start + 1]
+            + self._unlinked_gap[stop]
+            - self._unlinked_gap[start + 1]
             + self._rng_copies[stop]
             - self._rng_copies[start + 1]
             - int(self.released_bytes[stop - 1])
@@ -613,6 +655,35 @@ def _freed_output_held(chain: Chain, q: int) -> int:
     net = int(chain.gap_bytes[q]) + int(chain.gap_freed_input_bytes[q])
     gfo = int(chain.gap_freed_output_bytes[q])
     return max(0, max(0, net + gfo) - max(0, net) - min(gfo, int(chain.unlinked_bytes[q + 1])))
+
+
+# NOTE [ Unlinked inputs freed in the gap ]
+# A block's input made by the model's code between blocks (``unlinked_bytes``: fuzz seed 2180's split layer
+# ``self.lin(self.bn(x.transpose(1, 2)).transpose(1, 2))``, where ``lin`` takes a transposed view of
+# ``bn``'s output and saves a contiguous copy of it, not the view) may be freed by the code right after
+# the block (``bn``'s output dies as the layer returns); ``gap_bytes`` nets that free against what the gap
+# allocates (the next layer's ``x * scale`` and ``cat``: a gap of 0). Under a segment going on through the
+# block, the segment holds it as the block's recorded argument (``unlinked_bytes``, for the replay), so the
+# free never happens and the gap's allocations are held whole: ``max(0, g + gf + gfu)`` instead of
+# ``max(0, g + gf)`` (``gfu``: ``gap_freed_unlinked_bytes``, by allocation lifetimes). Not for the segment's
+# first block, whose unlinked input ``unsaved_input_bytes`` charges. Without it, ``K0 R[1:3](K1 K2) ..`` over
+# ``fc``, ``bn``, ``lin`` measured 1.100x its prediction (seed 2180's split ``sqrt()`` 1.142x); 1.000 with it.
+
+
+# NOTE [ Code-held tensors freed in the head ]
+# A tensor the model's code holds past its last (saving) taker (``Chain.code_held_inputs``; NOTE [ Outputs the
+# model's code holds past their saving taker ] in ``remat.profile.profiler``) that the code drops only in the
+# head (a skip dict ``saved[1] = h`` alive to the forward's return) is saved by its taker in the plain step, so
+# the head's measured rise (``fwd_peak_bytes[n]``) is above a level that holds it and nets no free of it.
+# Under a checkpoint over blocks ``start..n-1`` that make and take it, the taker saves nothing and
+# ``segment_bytes`` does not charge it (``late_made_bytes`` stops at ``stop <= n - 1``), while the code still
+# holds it through the head's forward: fuzz seed 1052's ``R[0:2](K0 K1)`` over the last two blocks, with the
+# loop's ``out`` holding a later layer's output to the return, peaked in the head's forward one tensor above
+# its prediction and budget (1.073x; 1.152x in tests/plan/test_code_held_head.py). ``Chain.head_freed_bytes``
+# charges it through the head, as it does the plain late inputs the head frees: on the safe side where the
+# head peaks in its backward, after the code dropped it (the profile does not split the head's rise at that
+# free). Not one freed as the last block returns (``freed_first`` after block ``n - 1``), nor what the segment
+# charges of the producer's outputs anyway (``pinned_out_bytes``, ``reused_bytes``).
 
 
 # NOTE [ Late inputs made inside a segment ]
@@ -927,6 +998,7 @@ def chain_of(profile: Profile) -> Chain:
         # Nor an earlier block's dead branch (the replay charges it where it holds one: Chain.dead_branches).
         freed_input_bytes=_freed_inputs(profile, gap_in) + (0,),
         gap_freed_input_bytes=tuple(b.gap_freed_input_bytes for b in bps) + (0,),
+        gap_freed_unlinked_bytes=tuple(b.gap_freed_unlinked_bytes for b in bps) + (0,),
         gap_freed_output_bytes=tuple(b.gap_freed_output_bytes for b in bps) + (0,),
         released_bytes=_released(profile, joinable, gap_in) + (0,),
         dead_branches=_dead_branches(bps),

@@ -54,7 +54,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from remat._json import Reader
 from remat.blocks import Block, resolve, unrun_hint
-from remat.core.runtime import suspended
+from remat.core.runtime import side_written, suspended
 from remat.core.selective import OpKeys, op_name
 from remat.core.trace import call_loss, call_model, device_of, mark, preserved, record_memory
 from remat.core.tree import leaves as tree_leaves
@@ -147,7 +147,8 @@ class BlockOps:
         input_saved_bytes: Of those, bytes of the block's inputs.
         stop: Ops ``[0, stop)`` run again in a recompute: torch's early stop ends it when the last
             tensor the forward saved has been saved again.
-        outputs: The ops that allocated the storages of the block's outputs. Caching one holds its
+        outputs: The ops that allocated the storages of the block's outputs, and of the tensors its modules
+            hold as plain attributes (NOTE [ Tensors the block's modules hold ]). Caching one holds its
             output, which the next block may hold anyway (when it saves its input).
         generator_state_bytes: Bytes of the states of the generators other than the default ones that
             its ops draw from (``torch.bernoulli(p, generator=self.g)``), which a segment copies per call.
@@ -156,6 +157,10 @@ class BlockOps:
             keeps another copy of the RNG state for this block's call.
         py_rng: Whether its forward drew from Python's ``random`` or numpy's global generator, which
             torch's selective checkpoint does not restore (no op-level policy for it).
+        fills_saved: Whether an op of it fills a storage the block allocated through an argument it does not
+            return (``rrelu_with_noise``'s noise): autograd saves that argument before the kernel fills it,
+            and torch's selective checkpoint stops its recomputation there (no op-level policy for it: NOTE
+            [ Ops that fill a saved argument ] in ``remat.core.runtime``).
     """
 
     block: int
@@ -168,6 +173,7 @@ class BlockOps:
     generator_state_bytes: int = 0
     fresh_rng: bool = False
     py_rng: bool = False
+    fills_saved: bool = False
     _index: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -200,6 +206,7 @@ class BlockOps:
             "generator_state_bytes": self.generator_state_bytes,
             "fresh_rng": self.fresh_rng,
             "py_rng": self.py_rng,
+            "fills_saved": self.fills_saved,
         }
 
     @classmethod
@@ -300,6 +307,7 @@ class _Run:
         self.fresh_rng = False  # the model's code drew random numbers since the previous block ended
         self.py_states: Any = None  # Python's and numpy's global RNG states at its start
         self.py_rng = False  # its forward drew from them
+        self.fills_saved = False  # an op filled a storage of the block through an argument it does not return
         # Weak references to the storages its ops allocated, whose callbacks record when they die (_Op.freed);
         # dropped when the block's forward ends, so later deaths are not recorded.
         self.lifetimes: list[weakref.ref[torch.UntypedStorage]] | None = []
@@ -328,6 +336,13 @@ class _Run:
             st = _storage(t)
             if st is not None and self.owner_of(st[0]) not in writes:
                 writes.append(self.owner_of(st[0]))
+        side = side_written(func, args, kwargs)
+        if side and any(
+            (st := _storage(t)) is not None and self.owner_of(st[0]) != EXTERNAL
+            for t in _tensors((args, kwargs))
+            if id(t) in side
+        ):
+            self.fills_saved = True  # NOTE [ Ops that fill a saved argument ] in remat.core.runtime
         gen = kwargs.get("generator")
         if isinstance(gen, torch.Generator) and gen is not torch.default_generator:
             # It advances a generator of the model's own: state torch's selective checkpoint does not
@@ -433,7 +448,7 @@ class _Recorder(TorchDispatchMode):
             self.current.py_states = _py_states()
         self.drew_outside = False
 
-    def end(self, i: int, out: Any) -> None:
+    def end(self, i: int, out: Any, held: Sequence[torch.Tensor] = ()) -> None:
         run = self.current
         if run is None or self.current_index != i:
             return
@@ -443,7 +458,8 @@ class _Recorder(TorchDispatchMode):
         if _autocast_nesting() == 0:  # the block's own region exited: autocast cleared its cache
             for op in run.ops:
                 op.autocast_cached = False
-        for t in (leaf for leaf in output_leaves(out) if isinstance(leaf, torch.Tensor)):
+        # NOTE [ Tensors the block's modules hold ]: held past the block like its outputs.
+        for t in (*(leaf for leaf in output_leaves(out) if isinstance(leaf, torch.Tensor)), *held):
             st = _storage(t)
             owner = run.owner.get(st[0], EXTERNAL) if st is not None else EXTERNAL
             if owner != EXTERNAL and owner not in run.outputs:
@@ -495,6 +511,24 @@ def _py_states() -> tuple[Any, ...]:
     return random.getstate(), keys.tobytes(), pos
 
 
+# NOTE [ Tensors the block's modules hold ]
+# A block may bind a tensor it computes to one of its modules as a plain attribute, which holds it past the
+# block's backward: ``torch.nn.utils.prune`` recomputes ``module.weight = weight_orig * weight_mask`` in a
+# forward pre-hook. Like the block's output, recomputing such a tensor frees nothing, and its replay makes a
+# second copy while the module still holds the forward's: op-level policies that recomputed the pruned
+# weights' ``mul`` measured 1.08-1.21x their prediction (the smallest plan of five pruned MLP layers 1.17x
+# its budget). So the ops that allocated them count among ``BlockOps.outputs`` (NOTE [ The block's output is
+# held anyway ] in ``remat.plan.policies``: a policy caches them where autograd saves them whole).
+def _attribute_tensors(mods: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """The tensors the modules of a block (and their sub-modules) hold as plain attributes, not as
+    parameters or buffers (NOTE [ Tensors the block's modules hold ])."""
+    out: list[torch.Tensor] = []
+    for mod in mods:
+        for sub in mod.modules():
+            out.extend(v for v in vars(sub).values() if isinstance(v, torch.Tensor))
+    return out
+
+
 def _one_forward(
     model: nn.Module, inputs: Any, members: list[list[nn.Module]], block_list: Sequence[Block], marked: bool = False
 ) -> tuple[list[_Run], Any]:
@@ -505,8 +539,8 @@ def _one_forward(
         def pre(_m: nn.Module, args: Any, kwargs: Any, i: int = i) -> None:
             rec.start(i, _tensors((args, kwargs)))
 
-        def post(_m: nn.Module, _args: Any, out: Any, i: int = i) -> None:
-            rec.end(i, out)
+        def post(_m: nn.Module, _args: Any, out: Any, i: int = i, mods: list[nn.Module] = mods) -> None:
+            rec.end(i, out, _attribute_tensors(mods))
 
         handles.append(mods[0].register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mods[-1].register_forward_hook(post, always_call=True))
@@ -555,7 +589,9 @@ def _same_ops(block: Block, runs: list[_Run]) -> None:
             raise RematError(
                 f"profile: block {block.name!r} ran different ops in forward 1 and forward {r + 1} "
                 f"(op {at}: {seen} then {then}); selective recompute needs a forward that runs the same ops "
-                "every time (no data-dependent control flow); recompute this block whole instead"
+                "every time (no data-dependent control flow, no layer skipped at random inside it); profile with "
+                "remat.profile(..., ops=False), which offers no op-level policies and keeps or recomputes such a "
+                "block whole"
             )
 
 
@@ -596,6 +632,7 @@ def _block_ops(block: Block, runs: list[_Run], temps: Sequence[int] = ()) -> Blo
         generator_state_bytes=sum(first.generators.values()),
         fresh_rng=first.fresh_rng,
         py_rng=any(run.py_rng for run in runs),
+        fills_saved=any(run.fills_saved for run in runs),
     )
 
 

@@ -144,7 +144,9 @@ def _stop_share(block_ops: Sequence[BlockOps], n: int) -> list[float]:
 def _selective_ok(b: Block, stateful: tuple[str, ...], block_ops: BlockOps) -> bool:
     """Whether block ``b`` may run under an op-level policy (NOTE [ Op-level policy costs ])."""
     writes_outside = any(w == EXTERNAL for op in block_ops.ops for w in op.writes)
-    return len(b.fqns) == 1 and not stateful and not writes_outside and not block_ops.py_rng
+    return (
+        len(b.fqns) == 1 and not stateful and not writes_outside and not block_ops.py_rng and not block_ops.fills_saved
+    )
 
 
 def _refuse_nested_plans(model: nn.Module, block_list: Sequence[Block]) -> None:
@@ -551,6 +553,7 @@ def profile(
     )
     gap_freed = _gap_freed_inputs(trace, tracked, n)
     gap_freed_out = _gap_freed_outputs(trace, tracked, n)
+    gap_freed_unlinked = _gap_freed_inputs(trace, tracked, n, unlinked=True)
     dropped = _dropped_outputs(trace, tracked, n)
     dead, dead_late = _dead_saved(trace, tracked, n)
     bps = tuple(
@@ -559,6 +562,7 @@ def profile(
             gap_bytes=gaps[i],
             gap_freed_input_bytes=gap_freed[i],
             gap_freed_output_bytes=gap_freed_out[i],
+            gap_freed_unlinked_bytes=gap_freed_unlinked[i],
             dropped_output_frees=dropped[i],
             dead_saved_frees=dead[i],
             dead_head_late_bytes=dead_late[i],
@@ -914,6 +918,34 @@ def _forward_freed(
     return saved_bytes - outputs + sum(v for k, v in held.items() if alive(k))
 
 
+def _held_own_outputs(
+    lives: dict[int, list[tuple[int, int]]],
+    tracked: Probe,
+    slot: int,
+    saved: dict[int, int],
+    end: int,
+    b1: int,
+    duration_ns: int,
+) -> int:
+    """The bytes of sub-module ``slot``'s own outputs that it saves and that the model's code holds past its
+    backward, where its forward ended at ``end`` (``SubProfile.held_output_bytes``; NOTE [ Sub-module outputs
+    held past the backward ] in ``remat.profile.types``): freed after every other tensor it saves (its
+    backward's end) and after its block's backward end ``b1`` (which for the block whose backward runs last
+    is the step's end, ``duration_ns``, where the outputs are dropped before it)."""
+
+    def freed(ptr: int) -> int | None:
+        return next((lt[1] for lt in lives.get(ptr, ()) if lt[0] <= end < lt[1]), None)
+
+    outputs = {k: v for k, v in saved.items() if k in tracked.outputs[slot] and k not in tracked.cast_saved[slot]}
+    others = [f for k in saved if k not in outputs and (f := freed(k)) is not None]
+    if not others:
+        return 0
+    last = max(others)
+    return sum(
+        v for k, v in outputs.items() if (f := freed(k)) is not None and f > last and (f > b1 or b1 >= duration_ns)
+    )
+
+
 def _held_windows(late: list[tuple[int, int]], release: int) -> Iterator[tuple[int, int, int]]:
     """``(start, end, bytes held)`` from each free of ``late`` on, to ``release``: the bytes the checkpoint
     holds there that the plain step had freed."""
@@ -957,9 +989,10 @@ def _gaps_of(
             yield i, (start, end, after), lives
 
 
-def _gap_freed_inputs(trace: MemoryTrace, tracked: Probe, n: int) -> list[int]:
+def _gap_freed_inputs(trace: MemoryTrace, tracked: Probe, n: int, unlinked: bool = False) -> list[int]:
     """Per block, the bytes of its inputs that the code after it frees before the next block starts
-    (``BlockProfile.gap_freed_input_bytes``; 0 for the last block, whose gap is the head's).
+    (``BlockProfile.gap_freed_input_bytes``; 0 for the last block, whose gap is the head's); with
+    ``unlinked``, of its inputs made between blocks only (``BlockProfile.gap_freed_unlinked_bytes``).
 
     By allocation lifetimes, not by the level: a gap that frees the block's input and allocates as much
     nets to nothing (GPT-NeoX's ``a = drop(attn(h))`` drops the attention output as ``x + a`` is made, for
@@ -969,7 +1002,7 @@ def _gap_freed_inputs(trace: MemoryTrace, tracked: Probe, n: int) -> list[int]:
     out = [0] * n
     for i, (start, end, after), lives in _gaps_of(trace, n):
         for ptr, size in tracked.inputs[i].items():
-            if ptr in tracked._unlinked_storages[i]:
+            if (ptr in tracked._unlinked_storages[i]) != unlinked:
                 continue  # made between blocks: unsaved_input_bytes holds it for a segment starting here
             span = next((lt for lt in lives.get(ptr, ()) if lt[0] <= start < lt[1]), None)
             if span is not None and end < span[1] <= after:
@@ -1518,7 +1551,10 @@ def _assemble(
             # And the block's forward, from the sub-module's forward end on, runs without what it saved.
             sub_end = marks.get(f"{Event.SUB_END}{sub_index}")
             fwd_split = fwd_freed = None
+            held_outputs = 0
             if sub_end is not None and f0 <= sub_end <= f1:
+                # NOTE [ Sub-module outputs held past the backward ] in remat.profile.types.
+                held_outputs = _held_own_outputs(lives, tracked, slot, saved, sub_end, b1, trace.duration_ns)
                 fwd_split = (trace.peak_between(f0, sub_end) - l_f0, trace.peak_between(sub_end, f1) - l_f0)
                 fwd_freed = _forward_freed(lives, tracked, slot, saved, saved_bytes, unsaved_inputs, sub_end, f1)
             subs.append(
@@ -1534,6 +1570,7 @@ def _assemble(
                     fwd_split_bytes=fwd_split,
                     held_inputs=tuple((tracked.input_ids[slot][k], v) for k, v in unsaved_inputs.items()),
                     fwd_freed_bytes=fwd_freed,
+                    held_output_bytes=held_outputs,
                 )
             )
             sub_index += 1
