@@ -573,6 +573,27 @@ def _run_key(module: nn.Module) -> tuple[type, frozenset[type]]:
     return _class(module), frozenset(_class(c) for c in weighted)
 
 
+# NOTE [ Layers of one class in a ModuleList ]
+# MoE decoders make their first k layers dense (DeepSeek-V2/V3, Kimi K2, dots1, GLM-4.5-Air, AFMoE:
+# ``first_k_dense_replace=1``): every layer is one class (Dots1DecoderLayer) in one ModuleList, but the
+# first holds an MLP where the others hold a MoE, so their children differ in kind. By _run_key alone the
+# dense layer was no member of the stack: it was never a block (its activations could not be recomputed),
+# and a model of two such layers had no stack at all, so the blocks fell back to the root's children (the
+# whole decoder as one block). Hybrid decoders are the same case the other way round (Qwen3.5 and
+# Qwen3-Next: three Gated DeltaNet layers, then one attention layer; LFM3: short convolutions with attention
+# layers between; MiMo-V2-Flash: sliding and full attention): their attention layers, the ones with the
+# largest activations, were no block. Members of an nn.ModuleList of one class, other than Sequentials, are one
+# stack whatever their children: a ModuleList of layers is what the forward loops over. Sequentials keep
+# the children rule (a ResNet's stem beside its stages); layers of different classes stay apart.
+
+
+def _alike(parent: nn.Module, child: nn.Module, last: nn.Module) -> bool:
+    """Whether ``child`` continues the run that ``last`` ends (NOTE [ Layers of one class in a ModuleList ])."""
+    if _run_key(child) == _run_key(last):
+        return True
+    return isinstance(parent, nn.ModuleList) and _class(child) is _class(last) and not isinstance(child, nn.Sequential)
+
+
 def _param_count(modules: Sequence[nn.Module]) -> int:
     seen: dict[int, int] = {}
     for m in modules:
@@ -656,7 +677,7 @@ class _Stacks:
         runs: list[list[tuple[str, nn.Module]]] = []
         for name, child in children:
             last = runs[-1][-1][1] if runs else None
-            if last is not None and _is_layer(child) and _is_layer(last) and _run_key(child) == _run_key(last):
+            if last is not None and _is_layer(child) and _is_layer(last) and _alike(module, child, last):
                 runs[-1].append((name, child))
             else:
                 runs.append([(name, child)])

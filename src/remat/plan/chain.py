@@ -288,6 +288,11 @@ class Chain:
     # drops in the forward, which the block saves when kept (HF's attention weights): gone when a segment
     # ending with it replays (NOTE [ Side outputs of a segment's last block ]; default 0).
     side_output_bytes: tuple[int, ...] = ()
+    # Per block, the block after whose forward (and its peak) the model's code has dropped those side outputs in
+    # the step's forward (the head's: n), or -1 where not known: a segment at the top level of a plan ending with
+    # the block holds them to there, not to its replay (NOTE [ Side outputs of a segment's last block ]; default
+    # all -1).
+    side_output_after: tuple[int, ...] = ()
     # Derived in __post_init__: n, and prefix sums over the blocks for segment_bytes.
     _n: int = field(init=False, repr=False, compare=False)
     _inside: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -330,6 +335,8 @@ class Chain:
             object.__setattr__(self, "recomputable", (True,) * len(self.fwd_ms))
         if not self.reached:
             object.__setattr__(self, "reached", (True,) * len(self.fwd_ms))
+        if not self.side_output_after:
+            object.__setattr__(self, "side_output_after", (-1,) * len(self.fwd_ms))
         if not self.startable:
             object.__setattr__(self, "startable", tuple(self.recomputable))
         if not self.sub_recomputable:
@@ -1037,4 +1044,17 @@ def chain_of(profile: Profile) -> Chain:
             for i, b in enumerate(bps)
         )
         + (0,),
+        # Where the last of them is gone (on the safe side where a block has several): -1 where not measured, or
+        # where the frees recorded do not cover what is charged (a side output the plain step frees in the forward
+        # too, left without one; a merged profile of several ranks, another rank's larger).
+        side_output_after=tuple(
+            max(after for after, _ in b.side_output_frees)
+            if i < len(bps) - 1
+            and b.side_output_frees
+            and sum(size for _, size in b.side_output_frees)
+            >= max(0, min(b.side_output_bytes - drop_out[i], handed[i] - out_free[i]))
+            else -1
+            for i, b in enumerate(bps)
+        )
+        + (-1,),
     )

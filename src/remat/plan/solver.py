@@ -369,6 +369,13 @@ class _Simulator:
                 for after, nbytes, netted_after in c.code_held_frees(op.start, op.stop):
                     self.code_frees.setdefault(after, []).append((id(op), nbytes, netted_after))
                 self.in_segment.update((q, q == op.stop - 1) for q in range(op.start, op.stop))
+                # So are the side outputs of its last block, which the model's code drops in the forward
+                # (NOTE [ Side outputs of a segment's last block ] in remat.profile.profiler; the plain step keeps
+                # them, so no measured number nets that free: -1): the replay, which Chain.replay_hold_bytes nets
+                # them at, gets them back as it gets these (code_freed).
+                last, side = op.stop - 1, int(c.side_output_bytes[op.stop - 1])
+                if side > 0 and last <= c.side_output_after[last] <= c.n:
+                    self.code_frees.setdefault(int(c.side_output_after[last]), []).append((id(op), side, -1))
                 # Those an earlier segment made that the code freed inside this one: gone by its end.
                 for q in range(op.start, op.stop):
                     self._code_free(q)

@@ -466,7 +466,9 @@ def profile(
         # Blocks that edit the previous block's output in place (NOTE [ In-place edits of a member's output ]).
         editing = {i for i in range(n) if tracked.edits_input[i] and tracked.edits_own_link[i]}
         code_held: list[LateInput] = []  # NOTE [ Outputs the model's code holds past their saving taker ]
-        pinned = _pinned(model, inputs, loss_fn, block_list, dev, editing, code_held)
+        # NOTE [ Side outputs of a segment's last block ]: where the model's code drops each block's side outputs.
+        side_frees: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+        pinned = _pinned(model, inputs, loss_fn, block_list, dev, editing, code_held, side_frees)
         gaps = _gaps(trace, n)
         # Scalars a forward caches (a few bytes) do not make a model less of a chain.
         slack = [max(1024, sum(tracked.outputs[i].values()) // 100) for i in range(n)]
@@ -555,6 +557,7 @@ def profile(
     gap_freed_out = _gap_freed_outputs(trace, tracked, n)
     gap_freed_unlinked = _gap_freed_inputs(trace, tracked, n, unlinked=True)
     dropped = _dropped_outputs(trace, tracked, n)
+    plain_frees = _plain_forward_frees(trace, n)  # NOTE [ Side outputs of a segment's last block ]
     dead, dead_late = _dead_saved(trace, tracked, n)
     bps = tuple(
         replace(
@@ -570,6 +573,7 @@ def profile(
             pinned_fwd_bytes=pinned[i][3],
             pinned_out_bytes=pinned[i][1],
             side_output_bytes=pinned[i][4],
+            side_output_frees=_side_output_frees(side_frees[i], n, prof.head_peak_bytes, plain_frees[i]),
             reused_bytes=reused[i],
             unlinked_bytes=tracked.unlinked[i],
             unsaved_input_bytes=tracked.unsaved_unlinked(i),
@@ -625,6 +629,7 @@ def _pinned(
     dev: torch.device,
     editing: Collection[int] = (),
     code_held: list[LateInput] | None = None,
+    side_frees: list[list[tuple[int, int, int]]] | None = None,
 ) -> list[tuple[int, int, int, int, int]]:
     members = resolve(model, block_list)
     params = set(storages(list(model.parameters()), set()))
@@ -724,13 +729,26 @@ def _pinned(
             owner + 1 < n
             and ptr in outs[owner]
             and t_free is not None
-            and not alive_at(t, t_free, t_after_end)
-            and not any(ptr in ins[j] for j in range(owner + 1, n))
+            # One of its outputs (alive when it returns), not a temporary of its forward whose address the
+            # output took over; no later block takes it while it lives (an address a later input reuses
+            # after the free does not count).
+            and alive_at(t, t_free, spans[owner][1])
+            and t_free < t_loss
+            and not any(ptr in ins[j] and alive_at(t, t_free, spans[j][0]) for j in range(owner + 1, n))
             and not (owner + 1 in editing and ptr in outs[owner + 1])
         ):
             # NOTE [ Side outputs of a segment's last block ]: its own output that no later block takes, freed
-            # by the model's code before the last block's forward ends (BlockProfile.side_output_bytes).
+            # by the model's code in the forward (BlockProfile.side_output_bytes), in the code after block
+            # `after` (BlockProfile.side_output_frees); with the rise of that code before the free where it
+            # is the head's and allocates first (_side_output_frees decides against the head's peak).
             result[owner][4] += size
+            if side_frees is not None:
+                after = bisect_left([a for a, _ in spans], t_free) - 1
+                first = t_free <= returned(spans[after][1])
+                if first or after == n - 1:
+                    side_frees[owner].append((after, int(size), 0 if first else _rise(allocs, t_end, t_free)))
+                else:  # the code after that block allocates first: gone after the next block's peak
+                    side_frees[owner].append((after + 1, int(size), 0))
         if alive_at(t, t_free, t_after_end) and (ptr not in last_inputs or alive_at(t, t_free, t_loss)):
             # Alive at the end of the last block's forward: held at least through the chain's forward,
             # where its peak usually is (a list of hidden states freed when the model returns counts).
@@ -787,14 +805,38 @@ def _pinned(
 # its unsaved outputs only) holds its recomputed copy: charged twice through the replay and its backward,
 # GPT-Neo's smallest plans (one layer per segment, its attention checkpointed inside) measured 0.90-0.92x
 # their prediction (4 layers, d=128, 128 tokens: 0.982x with it; one-layer segments of plain layers 1.000x,
-# 0.94x before), tests/plan/test_side_outputs.py's 0.931x (1.000x with it). Here, with the members saving nothing, they show: the block's own outputs
-# that no later block takes (nor the one after it edits in place and returns), freed before the last
-# block's forward ends (alive then: pinned above, held whatever the plan). ``chain_of`` keeps the part
-# that is neither dropped already (``dropped_output_frees``) nor among the outputs the block does not save
-# (``out_free_bytes`` takes those off the replay), and ``Chain.replay_hold_bytes`` takes it off the level
-# the replay of a segment ending with the block runs above; the solvers read it there too, so they stay
-# on the safe side of the simulation (which, like them, still charges it from the segment's end to the
-# replay). The last block's are the head's input (``x_bytes[n]``): left alone.
+# 0.94x before), tests/plan/test_side_outputs.py's 0.931x (1.000x with it). Here, with the members saving
+# nothing, they show: the block's own outputs (alive when it returns: not a temporary of its forward whose
+# address the output took over) that no later block takes while they live (a later input at the same
+# address after the free does not count: HF BLOOM's first attention's probabilities were missed in some
+# profiles by that reuse) nor the one after it edits in place and returns, freed by the model's code before
+# the loss (the last layer's when the model returns: alive at the last block's end, also pinned above).
+# ``chain_of`` keeps the part that is neither dropped already (``dropped_output_frees``) nor among the
+# outputs the block does not save (``out_free_bytes`` takes those off the replay), and
+# ``Chain.replay_hold_bytes`` takes it off the level the replay of a segment ending with the block runs
+# above. Where the code drops them is recorded too (``BlockProfile.side_output_frees``, by allocation
+# lifetimes as ``code_held`` below: after block ``after``'s forward when freed before the code after it
+# allocates, else after the next block's; in the head, before its peak where the head's code rises no
+# higher before the free than the head's measured peak less them, ``_side_output_frees``): the simulator
+# takes them off the level there for a segment at the top level of a plan (``Chain.side_output_after``,
+# as it takes off ``Chain.code_held_frees``), and gives them back at the replay, which nets them already.
+# Not where the plain step frees one of them in the forward too (a storage of its size made in the block's
+# forward, alive at its end, freed before the loss: ``_plain_forward_frees``, by lifetimes within the plain
+# step's own trace): a gap of the plain step nets that free already. Fuzz seed 0's split ``y = fc(x); y += x``
+# (counted as saved because the model's code edits it in place, dropped when the layer returns) got a second
+# free, and ``full()`` measured 1.081x its prediction; address-based tests of the plain free against the
+# probe's pointers missed it in some runs.
+# Charged to the replay instead, they stayed on the level through the blocks after it, the head and
+# the backward down to the replay: HF BLOOM's split layers (each ``self_attention`` returns its
+# probabilities, the layer returns them, the loop drops them after the next layer's call) measured
+# 0.77-0.89x their prediction, its smallest feasible peak was stated at 0.644 of the plain peak where that
+# plan measured 0.542, and 60% was refused; 0.96-1.00x now (Falcon's, OPT's, Llama's and GPT-2's split
+# layers, whose attention returns its weights too: 0.80-0.96x before, 0.96-1.00x). The solvers' tables
+# still charge them from the segment's end to its replay, on the safe side of the simulation (a charge
+# through a later range's forward only does not fit the program's one headroom per range), so a budget
+# between the two is planned by the lowest-peak plan, which the planner judges by the simulation. A
+# segment inside a replay holds them to its own replay (the outer replay keeps its calls' outputs). The
+# last block's are the head's input (``x_bytes[n]``): left alone.
 
 
 # NOTE [ Outputs the model's code holds past their saving taker ]
@@ -860,6 +902,69 @@ def _pinned(
 # is how much higher the block's backward peaks so, and a segment's inner plan runs that much higher
 # (``Chain.replay_hold_bytes``; on the safe side, its replayed forwards too). Measured per block: an input
 # that a later block of a multi-block segment frees is counted to that block's own recording's end only.
+
+
+def _rise(allocs: Sequence[tuple[int, int, int, int | None]], t0: int, t1: int) -> int:
+    """The highest the level goes above its value at ``t0`` before ``t1`` (what is allocated in ``[t0, t1)`` less
+    what is freed there), bytes."""
+    deltas = sorted(
+        [(t, size) for _, size, t, _ in allocs if t0 <= t < t1]
+        + [(tf, -size) for _, size, _, tf in allocs if tf is not None and t0 <= tf < t1]
+    )
+    level = top = 0
+    for _, size in deltas:
+        level += size
+        top = max(top, level)
+    return top
+
+
+def _side_output_frees(
+    frees: Sequence[tuple[int, int, int]], n: int, head_peak_bytes: int, plain: Collection[int] | None = None
+) -> tuple[tuple[int, int], ...]:
+    """``BlockProfile.side_output_frees`` from ``(after, bytes, rise)`` of ``_pinned``: one the head's code frees
+    after allocating (``rise`` > 0 above the level at the last block's end) is gone before the head's peak when
+    that code rises no higher than the head's measured peak less it (the head runs the same code with the side
+    output saved in the plain step: its peak comes after the free, and is that much lower), else after it
+    (``n``; NOTE [ Side outputs of a segment's last block ]). Not one of a size the plain step frees in the
+    forward too (``plain``, :func:`_plain_forward_frees`; all where not known): a gap of the plain step nets that
+    free already (``chain_of`` gives no free to a block whose recorded frees do not cover its side outputs)."""
+    if plain is None:
+        return ()
+    out = []
+    for after, size, rise in frees:
+        if size in plain:
+            continue
+        if rise > 0 and after == n - 1 and rise > head_peak_bytes - size:
+            after = n
+        out.append((after, size))
+    return tuple(out)
+
+
+def _plain_forward_frees(trace: MemoryTrace, n: int) -> list[set[int] | None]:
+    """Per block, the sizes of the storages the plain step makes in its forward, still alive at its end, and frees
+    before the loss (by allocation lifetimes and times, not addresses across runs); ``None`` where the trace lacks a
+    marker."""
+    marks = {name: ts[0] for name, ts in trace.mark_times().items()}
+    starts = [marks.get(f"{Event.FORWARD}{i}") for i in range(n)]
+    ends = [marks.get(f"{Event.FORWARD_END}{i}") for i in range(n)]
+    if not trace.ptrs or "loss" not in marks or any(t is None for t in (*starts, *ends)):
+        return [None] * n
+    loss = marks["loss"]
+    spans = sorted((int(a), int(b), k) for k, (a, b) in enumerate(zip(starts, ends)))  # type: ignore[arg-type]
+    firsts = [a for a, _, _ in spans]
+    out: list[set[int] | None] = [set() for _ in range(n)]
+    born: dict[int, tuple[int, int]] = {}
+    for when, ptr, delta in zip(trace.t_ns, trace.ptrs, trace.deltas):
+        if delta > 0:
+            born[ptr] = (when, delta)
+        elif ptr in born:
+            t0, size = born.pop(ptr)
+            j = bisect_right(firsts, t0) - 1
+            if when <= loss and j >= 0 and t0 <= spans[j][1] < when:
+                freed = out[spans[j][2]]
+                if freed is not None:
+                    freed.add(size)
+    return out
 
 
 def _late_freed_inputs(

@@ -180,6 +180,10 @@ class BlockProfile:
             before the last block's forward ends, in a run where blocks save nothing (HF's attention weights,
             dropped when the loop rebinds ``outputs``): gone when a segment ending with the block replays
             (NOTE [ Side outputs of a segment's last block ] in ``remat.profile.profiler``), bytes.
+        side_output_frees: ``(after, bytes)`` of each of those side outputs: gone once block ``after``'s forward
+            has peaked (freed in the code after it, before that code allocates; else counted as gone one block
+            later, the head's for ``after`` = the number of blocks), in a run where blocks save nothing (empty:
+            not known, profiles written before the field existed).
         unlinked_bytes: Bytes of its inputs that are neither the previous block's outputs nor older
             tensors (``x + stage(x)`` made between blocks): a segment going on through it holds them.
         unsaved_input_bytes: The part of ``unlinked_bytes`` that its own forward does not save: the
@@ -241,6 +245,7 @@ class BlockProfile:
     pinned_fwd_bytes: int = 0
     reused_bytes: int = 0
     side_output_bytes: int = 0
+    side_output_frees: tuple[tuple[int, int], ...] = ()
     unlinked_bytes: int = 0
     unsaved_input_bytes: int = 0
     generator_state_bytes: int = 0
