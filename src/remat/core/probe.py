@@ -577,6 +577,9 @@ class Probe:
             for mod in self.members[index]:
                 for name, buf in _plain_buffers(mod):
                     snap[f"{id(mod)}:{name}"] = (buf, buf._version, _buffer_copy(buf))
+                # NOTE [ Parameters edited by the forward ]: by their version counters alone (no copy).
+                for name, param in mod.named_parameters():
+                    snap[f"parameter {id(mod)}:{name}"] = (param, param._version, b"")
             self._buffers_before[index] = snap
 
         return hook
@@ -585,15 +588,29 @@ class Probe:
         def hook(_mod: nn.Module, _args: Any, _out: Any) -> None:
             snap = self._buffers_before.pop(index, {})
             names = {f"{id(mod)}:{name}": name for mod in self.members[index] for name, _ in _plain_buffers(mod)}
+            names |= {
+                f"parameter {id(mod)}:{name}": f"parameter {name}"
+                for mod in self.members[index]
+                for name, _ in mod.named_parameters()
+            }
             changed = [
                 names.get(key, key)
                 for key, (buf, version, copy) in snap.items()
-                if buf._version != version or not _same_as_copy(buf, copy)
+                if buf._version != version or (not key.startswith("parameter ") and not _same_as_copy(buf, copy))
             ]
             if changed:
                 self.stateful[index] = tuple(changed)
 
         return hook
+
+    # NOTE [ Parameters edited by the forward ]
+    # A module may edit its own parameter in place in its forward: ``nn.Embedding(max_norm=...)``
+    # renormalises the rows it looks up, an EMA codebook moves its centres. A replay would edit it again,
+    # which the runtime refuses whatever ``allow_stateful`` says (``_check_params_kept`` in
+    # remat.core.runtime): the profile itself failed on such a model, in its first checkpointed timing
+    # iteration, with a message about ``apply``. Such a block is stateful ("parameter <name>"): the profile
+    # keeps it in its checkpointed timing iterations and the plan keeps it. A version counter tells an
+    # in-place edit (a ``.data`` assignment bumps none: the runtime's own check, by value, still refuses it).
 
     # NOTE [ Arguments changed by the call ]
     # A block may change a mutable argument it is called with (Gemma 3n's decoder layers add their keys

@@ -488,7 +488,8 @@ def profile(
         ]
         # Blocks that change a mutable argument (NOTE [ Arguments changed by the call ] in remat.core.probe)
         # cannot be replayed: kept in the checkpointed iterations too.
-        changes_args = [any(s.startswith("argument ") for s in tracked.stateful[i]) for i in range(n)]
+        # Blocks that edit a parameter in place (NOTE [ Parameters edited by the forward ] in remat.core.probe) too.
+        changes_args = [any(s.startswith(("argument ", "parameter ")) for s in tracked.stateful[i]) for i in range(n)]
         configs = _timing_configs(
             block_list, selective=selective, editing=[e or c for e, c in zip(tracked.edits_input[:n], changes_args)]
         )
