@@ -220,8 +220,20 @@ def test_few_coarse_blocks_that_cannot_lower_the_peak_say_to_profile_finer_ones(
     coarse_blocks = remat.blocks(model, include=["features", "pool", "classifier"])
     coarse = remat.profile(model, x, loss_fn, blocks=coarse_blocks, repeats=1, progress=False)
     assert [b.name for b in coarse.blocks] == ["features", "pool", "classifier"]
-    with pytest.raises(remat.BudgetInfeasibleError, match=r"profile finer blocks, remat\.blocks\(model, split=True\)"):
+    with pytest.raises(
+        remat.BudgetInfeasibleError,
+        match=r"profile finer blocks, remat\.blocks\(model, split=True\) or include=\['features\.\*'\]",
+    ):
         remat.plan(coarse, "50%")
+    # The hint names this model's own block that saves the most, not a fixed example.
+    renamed = _Vgg()
+    renamed.body = renamed.features
+    del renamed.features
+    renamed.forward = lambda x: renamed.classifier(torch.flatten(renamed.pool(renamed.body(x)), 1))  # type: ignore[method-assign]
+    blocks = remat.blocks(renamed, include=["body", "pool", "classifier"])
+    prof = remat.profile(renamed, x, loss_fn, blocks=blocks, repeats=1, progress=False)
+    with pytest.raises(remat.BudgetInfeasibleError, match=r"include=\['body\.\*'\]"):
+        remat.plan(prof, "50%")
     # Its children as blocks: segments over [Conv, BatchNorm, ReLU(inplace=True)] lower the peak.
     fine = remat.profile(model, x, loss_fn, blocks=remat.blocks(model, split=True), repeats=1, progress=False)
     with pytest.raises(remat.BudgetInfeasibleError) as info:

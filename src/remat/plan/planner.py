@@ -446,10 +446,11 @@ def _plan_here(profile: Profile, budget: int | str | Budget | None, *, solver: s
     if ops is None:
         cheapest = ops_repr(cheapest_ops or chosen.min_peak_plan(profile, chain))
         # Few coarse blocks (a VGG's features, pool and classifier) leave nothing to recompute that lowers
-        # the peak: finer blocks do.
+        # the peak: finer blocks do, inside the block that saves the most (named, not a fixed example).
+        largest = max(zip(profile.blocks, profile.block_profiles), key=lambda bb: bb[1].saved_bytes)[0].name
         finer = (
             "; with these few blocks no plan lowers the peak much: profile finer blocks, "
-            "remat.blocks(model, split=True) or include='features.*'"
+            f"remat.blocks(model, split=True) or include=['{largest}.*']"
             if len(profile.blocks) <= 4 and smallest >= 0.9 * profile.peak_bytes
             else ""
         )
