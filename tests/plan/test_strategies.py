@@ -195,7 +195,9 @@ def test_parse_strategy() -> None:
     assert parse_strategy("budget('1KiB')") == remat.budget(1024)
     assert parse_strategy("attention_only(min_interval=2)") == remat.attention_only(min_interval=2)
     assert parse_strategy(" full ") == remat.full()
-    with pytest.raises(RematError, match=r"unknown 'everynth'; valid strategies are none, full, every_nth"):
+    with pytest.raises(
+        RematError, match=r"unknown 'everynth'; did you mean 'every_nth'\? valid strategies are none, full, every_nth"
+    ):
         parse_strategy("everynth(2)")
     with pytest.raises(RematError, match=r"does not match every_nth\(n\)"):
         parse_strategy("every_nth(1, 2)")
@@ -249,8 +251,12 @@ def test_plan_takes_a_strategy_as_text_on_a_profile_blocks_or_a_model() -> None:
     assert on_model.fingerprint is not None
     grouped = remat.plan(model, strategy=remat.named([["0", "1"]]))
     assert [b.fqns for b in grouped.blocks] == [("0", "1")] and grouped.checkpointed == (0,)
-    with pytest.raises(RematError, match=r"strategy: unknown 'everynth'; valid strategies are none, full"):
+    with pytest.raises(
+        RematError, match=r"strategy: unknown 'everynth'; did you mean 'every_nth'\? valid strategies are none, full"
+    ):
         remat.plan(B8, strategy="everynth(2)")
+    with pytest.raises(RematError, match=r"strategy: unknown 'zzz'; valid strategies are none, full"):
+        remat.plan(B8, strategy="zzz")  # nothing close: no suggestion
 
 
 @pytest.mark.parametrize("sized", ["largest(1)", "budget('1KiB')", "dynamic(0.5)"])

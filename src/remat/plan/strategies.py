@@ -24,6 +24,7 @@ and ``named``, whose blocks you choose, refuse such a block instead of changing 
 from __future__ import annotations
 
 import ast
+import difflib
 import functools
 import inspect
 import logging
@@ -944,7 +945,9 @@ def parse_strategy(text: str) -> Strategy:
     name, _, rest = text.partition("(")
     name = name.strip()
     if name not in STRATEGIES:
-        raise RematError(f"strategy: unknown {name!r}; valid strategies are {', '.join(STRATEGIES)}")
+        close = difflib.get_close_matches(name, list(STRATEGIES), n=1)  # as the command line's --strategy
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise RematError(f"strategy: unknown {name!r}; {hint}valid strategies are {', '.join(STRATEGIES)}")
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = {}
     if rest:
