@@ -307,37 +307,107 @@ _LINK, _EXT, _OBJ = 0, 1, 2
 _MISSING = object()
 
 
+# NOTE [ Attributes a forward sets ]
+# The learning call records every attribute of the member's modules, so that what the call changes is
+# found (``_attrs_changed``): a plain value it sets (a counter), and since helper-114 also a plain tensor
+# or a small list, tuple or dict of tensors and plain values it binds or edits (``self.ema = 0.9 *
+# self.ema + ...``, ``self.hist = self.hist[-2:] + [h]``) and an attribute it creates (``self.step =
+# getattr(self, "step", 0) + 1``, ``if not hasattr(self, "ema")``). Before, only plain values present
+# before the first call were seen: a replay read the value the forward had left, a later step's counter
+# or average, and computed other gradients, silently (every gradient off on both; a history's length
+# read in a segment of two blocks: 14 of 48). Lists and dicts are kept as copies. Each later call keeps
+# the values at the call of the attributes found (``_Role.attrs``), and a replay sets them (an attribute
+# absent at the call is removed for it), then puts the current ones back. Each call also keeps the plain
+# tensors its own modules hold at the call (``_plain_attrs``), which other code may rebind before the
+# backward (the model's ``layer.extra = x.mean()`` after the call: every gradient off before). A tensor
+# so kept is held from the call to the segment's backward, where the plain step may free it when it is
+# rebound (a cache of the block's last output, ``self.last = y``: one such tensor per recomputed call,
+# which the profile does not charge; an attribute set to ``None`` in ``__init__`` was kept so before).
+# Not seen: an attribute first set after the member's first call (by it or by other code: still read
+# at its value in the backward), and attributes of objects that are not modules (``self.state.gain``).
+_OTHER = object()  # a learning call's entry for an attribute whose value it does not keep (a module's anchor)
+
+
+def _kept_value(name: str, value: Any) -> bool:
+    """Whether a replay sets ``value`` back (NOTE [ Attributes a forward sets ]): a primitive, a plain tensor
+    that is no parameter, or a small list, tuple or dict of them (a history ``self.hist = self.hist[-2:] + [h]``)."""
+    if name == "training" or name in _MODULE_INTERNALS:
+        return False
+    if _single(value):
+        return True
+    if type(value) in (list, tuple) and len(value) <= 64:
+        return all(_single(v) for v in value)
+    if type(value) is dict and len(value) <= 64:
+        return all(isinstance(k, _PRIMITIVES) and _single(v) for k, v in value.items())
+    return False
+
+
+def _single(value: Any) -> bool:
+    return isinstance(value, _PRIMITIVES) or (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter))
+
+
+def _at_call(value: Any) -> Any:
+    """``value`` as a replay sets it: a list or dict as a copy (the call or later code may edit it in place)."""
+    return value.copy() if type(value) in (list, dict) else value
+
+
 def _attr_values(module: nn.Module, role: _Role) -> tuple[tuple[nn.Module, str, Any], ...]:
-    """The values of ``role.attrs``; on the learning call, of every plain attribute of ``module``'s modules."""
+    """The values of ``role.attrs``; on the learning call, every attribute of ``module``'s modules (its value
+    where a replay sets it back, else ``_OTHER``: NOTE [ Attributes a forward sets ])."""
     if role.learned:
-        return tuple((sub, name, sub.__dict__.get(name, _MISSING)) for sub, name in role.attrs)
+        return tuple((sub, name, _at_call(sub.__dict__.get(name, _MISSING))) for sub, name in role.attrs)
     return tuple(
-        (sub, name, value)
+        (sub, name, _at_call(value) if _kept_value(name, value) else _OTHER)
         for sub in module.modules()
         for name, value in vars(sub).items()
-        if name != "training" and isinstance(value, _PRIMITIVES)
     )
 
 
+def _same_value(now: Any, value: Any) -> bool:
+    """Whether an attribute still holds ``value``: the same object, an equal primitive (NaN equals NaN), or
+    a container of the same items (tensors by identity)."""
+    if now is value:
+        return True
+    if type(now) is not type(value):
+        return False
+    if isinstance(value, _PRIMITIVES):
+        return bool(now == value or now != now and value != value)
+    if type(value) in (list, tuple):
+        return len(now) == len(value) and all(_same_value(a, b) for a, b in zip(now, value))
+    if type(value) is dict:
+        return now.keys() == value.keys() and all(_same_value(now[k], value[k]) for k in value)
+    return False
+
+
 def _attrs_changed(before: tuple[tuple[nn.Module, str, Any], ...]) -> tuple[tuple[nn.Module, str, Any], ...]:
-    """The entries of ``before`` whose attribute now holds another value (NaN equals NaN)."""
+    """The entries of ``before`` whose attribute now holds another value (``_same_value``), and where
+    ``before`` is a learning call's, the attributes set since (with ``_MISSING``)."""
     out = []
+    names: dict[int, tuple[nn.Module, set[str]]] = {}
     for sub, name, value in before:
-        now = sub.__dict__.get(name, _MISSING)
-        if now is not value and not (type(now) is type(value) and (now == value or now != now and value != value)):
+        names.setdefault(id(sub), (sub, set()))[1].add(name)
+        if value is not _OTHER and not _same_value(sub.__dict__.get(name, _MISSING), value):
             out.append((sub, name, value))
+    for sub, known in names.values():
+        if "training" not in known:  # a later call's values: no record of every attribute
+            continue
+        out.extend(
+            (sub, name, _MISSING) for name, now in vars(sub).items() if name not in known and _kept_value(name, now)
+        )
     return tuple(out)
 
 
 @contextlib.contextmanager
 def _attrs_as(recorded: tuple[tuple[nn.Module, str, Any], ...]) -> Iterator[None]:
-    """Sets attributes to their recorded values for a replay, and puts the current ones back after."""
+    """Sets attributes to their recorded values for a replay, and puts the current ones back after. A list
+    or dict is set as a fresh copy: what the replay appends (an aux loss, with the replay's graph) must not
+    stay in the call's record (NOTE [ Attributes a forward sets ])."""
     now = [(sub, name, sub.__dict__.get(name, _MISSING)) for sub, name, _ in recorded]
     for sub, name, value in recorded:
         if value is _MISSING:
             sub.__dict__.pop(name, None)
         else:
-            sub.__dict__[name] = value
+            sub.__dict__[name] = _at_call(value)
     try:
         yield
     finally:
@@ -387,6 +457,14 @@ def _plain_attrs(module: nn.Module, role: _Role | None) -> tuple[tuple[nn.Module
             for name, value in sub.__dict__.items()
             if name not in _MODULE_INTERNALS and _plain(value)
         )
+        # NOTE [ Attributes a forward sets ]: and the plain tensors its own modules hold, which other code may
+        # rebind before the backward (``layer.extra = ...`` by the model after the call).
+        names += tuple(
+            (sub, name)
+            for sub in own
+            for name, value in sub.__dict__.items()
+            if name not in _MODULE_INTERNALS and isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+        )
         if role is not None:
             role.plain_names = names
     else:
@@ -394,7 +472,7 @@ def _plain_attrs(module: nn.Module, role: _Role | None) -> tuple[tuple[nn.Module
     out: list[tuple[nn.Module, str, Any]] = []
     for sub, name in names:
         value = sub.__dict__.get(name, _MISSING)
-        if value is _MISSING or isinstance(value, _PRIMITIVES):
+        if value is _MISSING or isinstance(value, (*_PRIMITIVES, torch.Tensor)):
             out.append((sub, name, value))
         elif _plain(value):  # not a container of tensors (it would keep them alive per call)
             out.append((sub, name, value.copy() if isinstance(value, (list, set, dict)) else value))
@@ -1789,7 +1867,10 @@ class _StateGuard:
             for t, value in zip(self.args, self.arg_copies):
                 t.copy_(value)
         for sub, name, value in _attrs_changed(self.attr_before):
-            sub.__dict__[name] = value
+            if value is _MISSING:  # set by the call (NOTE [ Attributes a forward sets ])
+                sub.__dict__.pop(name, None)
+            else:
+                sub.__dict__[name] = value
         rng.set()
 
 

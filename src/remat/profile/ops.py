@@ -543,7 +543,9 @@ def _one_forward(
             rec.end(i, out, _attribute_tensors(mods))
 
         handles.append(mods[0].register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(mods[-1].register_forward_hook(post, always_call=True))
+        # First of its forward hooks: the model's own run outside the block's forward, which is what a policy
+        # recomputes (NOTE [ Forward hooks run outside the block ] in remat.profile.profiler).
+        handles.append(mods[-1].register_forward_hook(post, always_call=True, prepend=True))
     called: set[int] = set()  # NOTE [ Why a block did not run ] in remat.blocks
     handles.append(register_module_forward_pre_hook(lambda m, _args: called.add(id(m))))
     try:

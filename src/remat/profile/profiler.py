@@ -622,6 +622,19 @@ def profile(
 # the safe side).
 
 
+# NOTE [ Forward hooks run outside the block ]
+# A replay (and an op-level policy's recomputation) runs a member's own ``forward``, never its module hooks
+# (NOTE [ Spans ] in ``remat.core.runtime``): a forward hook of the model's (``relu(out) + x``, registered
+# before the profile's) runs after the member's forward, as the code between blocks does, and what it saves
+# (relu's output) is held whatever the plan. The pinned run's ``leave`` hook ran after the model's hooks,
+# so it dropped their saves as the member's own, and the per-op profile counted their ops among the
+# block's: plans with such a hook on two of six blocks measured 1.12-1.15x their prediction and budget,
+# and an op-level policy cached the hook's relu, which its recomputation never runs (1.05x, and a
+# warning). Both hooks are now the first of the member's forward hooks (``prepend=True``); the hook's
+# allocations still fall inside the block's span (its ``p{i}`` marker comes after them), so they count
+# as pinned by that block (helper-114).
+
+
 def _pinned(
     model: nn.Module,
     inputs: Any,
@@ -676,7 +689,8 @@ def _pinned(
         handles.append(mods[-1].register_forward_hook(post))
         for m in mods:
             handles.append(m.register_forward_pre_hook(enter))
-            handles.append(m.register_forward_hook(leave))
+            # First of its forward hooks: NOTE [ Forward hooks run outside the block ].
+            handles.append(m.register_forward_hook(leave, prepend=True))
 
     def forward() -> None:
         # NOTE [ What stays alive anyway ]: what the members save is dropped, what the code between them
@@ -1050,6 +1064,61 @@ def _held_own_outputs(
     return sum(
         v for k, v in outputs.items() if (f := freed(k)) is not None and f > last and (f > b1 or b1 >= duration_ns)
     )
+
+
+# NOTE [ Saves the plain step frees before the backward ]
+# A sub-module's saves are what checkpointing it frees from its forward to its backward only where the plain
+# step holds them that long. Under FSDP2 (``fully_shard`` on each layer) a Linear saves its all-gathered
+# weight, a fresh storage each step (not a parameter the probe knows), which the layer's reshard after its
+# forward frees (``resize_(0)``) whatever autograd holds, and its backward all-gathers again. Counted as freed,
+# an MoE layer's experts checkpointed (``S0{layers.0.moe}``) on one FSDP2 rank were credited their weights'
+# 64.5 KiB twice and measured 1.06x their prediction, the smallest plan 1.075-1.087x its budget. A saved
+# storage alive at the sub-module's forward end that the plain step frees before the block's backward starts
+# is left out of its ``saved`` (and so of ``saved_bytes``, the bytes freed).
+
+
+def _held_to_backward(
+    lives: dict[int, list[tuple[int, int]]], saved: dict[int, int], end: int | None, b0: int
+) -> dict[int, int]:
+    """``saved`` (storage address -> bytes) less the storages alive at ``end`` (the sub-module's forward end; all
+    kept where it was not seen) that the plain step frees before ``b0``, the block's backward start (NOTE [ Saves
+    the plain step frees before the backward ])."""
+    if end is None:
+        return saved
+    out = {}
+    for ptr, size in saved.items():
+        span = next((lt for lt in lives.get(ptr, ()) if lt[0] <= end < lt[1]), None)
+        if span is None or span[1] >= b0:
+            out[ptr] = size
+    return out
+
+
+# NOTE [ Unsaved inputs held through the sub-module's backward ]
+# An input of a sub-module that the block does not save (``held_inputs``, in ``SubProfile.held_inputs``) is
+# charged by the level from the block's forward to its backward (``saved_bytes`` is net of it), but the plain
+# step may free it long before: ``nn.MultiheadAttention(q, kv, kv)`` with ``batch_first=True`` projects a
+# transposed view of ``kv = norm(data)``, so its matmul saves a contiguous copy and ``kv`` itself dies with the
+# block's forward. Checkpointed, the attention's recording holds ``kv`` until its backward's last op, above
+# everything that backward allocates; the sub-module's backward peak was taken from the plain curve there
+# (``trace.peak_between(t, b1)``), which has no ``kv``. A Perceiver's smallest plan measured 1.068x its budget,
+# three cross-attention layers with one checkpointed 1.08x and 1.12x (``kv`` and a clone of it as ``v``), by
+# exactly those inputs. Each one the plain step has freed before the recording is dropped is added from the
+# sub-module's backward start (or its free, if later) to that drop, as the late inputs above are.
+
+
+def _unsaved_freed_inputs(
+    lives: dict[int, list[tuple[int, int]]], unsaved: dict[int, int], s0: int, t: int, release: int
+) -> list[tuple[int, int]]:
+    """``(from, bytes)`` of each input of a sub-module that its block does not save (``unsaved``, alive at its
+    forward ``s0``) and the plain step frees before ``release``, where its checkpoint's recording is dropped:
+    held from its backward start ``t`` or from that free, whichever is later (NOTE [ Unsaved inputs held
+    through the sub-module's backward ])."""
+    out = []
+    for ptr, size in unsaved.items():
+        span = next((lt for lt in lives.get(ptr, ()) if lt[0] <= s0 < lt[1]), None)
+        if span is not None and span[1] < release:
+            out.append((max(span[1], t), size))
+    return out
 
 
 def _held_windows(late: list[tuple[int, int]], release: int) -> Iterator[tuple[int, int, int]]:
@@ -1617,6 +1686,9 @@ def _assemble(
                 sub_index += 1
                 continue
             saved = {k: v for k, v in tracked.saved[slot].items() if k not in tracked.inputs[slot]}
+            # NOTE [ Saves the plain step frees before the backward ]: what it saves that is gone before the
+            # block's backward (FSDP2's all-gathered weights) is not what checkpointing it frees.
+            saved = _held_to_backward(lives, saved, marks.get(f"{Event.SUB_END}{sub_index}"), bwd_start[i])
             # Checkpointing the sub-module holds its inputs (and an RNG state): free where the block saves
             # them anyway, a cost where it does not (a frozen layer with LoRA adapters saves no input).
             # By storage (NOTE [ Inputs a block saves are storages, not addresses ] in remat.core.probe): an
@@ -1645,11 +1717,15 @@ def _assemble(
                 # inside the sub-module's backward, counted from where it frees them.
                 late, release = _late_freed_inputs(lives, tracked, i, slot, unsaved_inputs, saved, s0, s1, b0, b1)
                 held_at_t = sum(size for f, size in late if f <= t)
+                # NOTE [ Unsaved inputs held through the sub-module's backward ]: and those the block does not
+                # save, which the level after its recomputation holds (not in saved_bytes), from t on.
+                gone = _unsaved_freed_inputs(lives, unsaved_inputs, s0, t, release)
+                windows = _held_windows(sorted(late + gone), release)
                 sub_peak = (
                     max(
                         trace.peak_between(t, b1),
                         trace.level_at(t) + held_at_t + rise - saved_bytes,
-                        *(trace.peak_between(f0_, f1_) + extra for f0_, f1_, extra in _held_windows(late, release)),
+                        *(trace.peak_between(f0_, f1_) + extra for f0_, f1_, extra in windows),
                     )
                     + rng_bytes
                     - bwd_level
