@@ -76,7 +76,7 @@ Random draws follow the same scheme. The default generators' states are recorded
 the CPU state at a recording's first call, and again only at a call before which the model's own code
 drew random numbers (a dropout between blocks); a call that finds the state where the previous call
 left it keeps no copy, and its replay goes on from where the previous call's replay left the
-generator (``_Frame.end_rng``, a digest of the state; the profile charges a copy per such call, ``BlockOps.fresh_rng``);
+generator (``_Frame.end_rng``, the state's bytes; the profile charges a copy per such call, ``BlockOps.fresh_rng``);
 a member that draws from a generator of its own (``torch.bernoulli(p, generator=self.g)``) is found
 on the learning call (a dispatch mode sees the op's ``generator`` argument), and from then on each
 call keeps that generator's state too, which its replay sets, putting the generator back to where it
@@ -95,9 +95,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import hashlib
 import io
 import itertools
+import operator
 import random
 import sys
 import threading
@@ -151,6 +151,8 @@ class _Local(threading.local):
     # nothing else may (the last segment's state would outlive its backward, 5 KiB the chain model
     # does not count).
     last_rng: weakref.ref[torch.Tensor] | None = None
+    # The bytes of that state while ``last_rng`` is set (NOTE [ RNG states compared as bytes ]).
+    last_rng_bytes: bytes | None = None
 
 
 _LOCAL = _Local()
@@ -397,21 +399,37 @@ def _attrs_changed(before: tuple[tuple[nn.Module, str, Any], ...]) -> tuple[tupl
     return tuple(out)
 
 
-@contextlib.contextmanager
-def _attrs_as(recorded: tuple[tuple[nn.Module, str, Any], ...]) -> Iterator[None]:
+# NOTE [ Context managers of a replay ]
+# A replay enters about ten context managers per recorded call (bindings, autocast, backend flags, plain
+# attributes, hooks, requires_grad, modes; around the whole replay, saved-tensor hooks, grad mode and
+# ``replaying``), and leaves them through the exception of torch's early stop (``_Stop``), raised inside
+# the last member's forward. Written as generators (``contextlib.contextmanager``), each costs a
+# generator and, on the way out, a ``throw`` into it: about a tenth of a small block's recomputation on
+# this project's CPU. They are classes here, with what they set and put back unchanged; those with
+# nothing to set (no attribute, hook, flag or mode differs from the call's) do nothing on the way out.
+
+
+class _AttrsAs:
     """Sets attributes to their recorded values for a replay, and puts the current ones back after. A list
     or dict is set as a fresh copy: what the replay appends (an aux loss, with the replay's graph) must not
-    stay in the call's record (NOTE [ Attributes a forward sets ])."""
-    now = [(sub, name, sub.__dict__.get(name, _MISSING)) for sub, name, _ in recorded]
-    for sub, name, value in recorded:
-        if value is _MISSING:
-            sub.__dict__.pop(name, None)
-        else:
-            sub.__dict__[name] = _at_call(value)
-    try:
-        yield
-    finally:
-        for sub, name, value in now:
+    stay in the call's record (NOTE [ Attributes a forward sets ], NOTE [ Context managers of a replay ])."""
+
+    __slots__ = ("recorded", "now")
+
+    def __init__(self, recorded: tuple[tuple[nn.Module, str, Any], ...]) -> None:
+        self.recorded = recorded
+        self.now: list[tuple[nn.Module, str, Any]] = []
+
+    def __enter__(self) -> None:
+        self.now = [(sub, name, sub.__dict__.get(name, _MISSING)) for sub, name, _ in self.recorded]
+        for sub, name, value in self.recorded:
+            if value is _MISSING:
+                sub.__dict__.pop(name, None)
+            else:
+                sub.__dict__[name] = _at_call(value)
+
+    def __exit__(self, *exc: object) -> None:
+        for sub, name, value in self.now:
             if value is _MISSING:
                 sub.__dict__.pop(name, None)
             else:
@@ -492,51 +510,116 @@ _HOOK_DICTS = (
 _GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, f"_global{name}", None) for name in _HOOK_DICTS)
 
 
-def _hook_dicts(module: nn.Module) -> list[dict[Any, Any]]:
-    """The hook dicts a replay of ``module`` reads: its sub-modules' (its own hooks do not run again) and the
+# NOTE [ One walk per call ]
+# A call records, and a replay reads, several things about a member's modules: their buffers (the
+# state guard, the buffer slots), their parameters (``requires_grad``), their hook dicts, their
+# ``__dict__`` (``_BindingsKept``). Each used to walk the module tree on its own (``named_buffers()``,
+# ``parameters()``, ``modules()``: four walks per call, three per replay, 30-60 us of a small block's
+# 1 ms). Nothing between them changes the tree, so one walk per call (``_Tree``) serves them all, read
+# at the same moment as before. It is not kept from one call to the next: a module added or replaced
+# since (a lazily built sub-module) is seen as before.
+class _Tree:
+    """The modules of one member at one call, walked once (NOTE [ One walk per call ])."""
+
+    __slots__ = ("module", "named")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.named = list(module.named_modules())
+
+    def modules(self) -> list[nn.Module]:
+        """``module.modules()``."""
+        return [sub for _, sub in self.named]
+
+    def _members(self, slot: str) -> list[tuple[str, torch.Tensor]]:
+        # nn.Module._named_members over the walk: each tensor once, under its first name.
+        seen: set[int] = set()
+        out: list[tuple[str, torch.Tensor]] = []
+        for prefix, sub in self.named:
+            for name, t in getattr(sub, slot).items():
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                out.append((f"{prefix}.{name}" if prefix else name, t))
+        return out
+
+    def named_buffers(self) -> dict[str, torch.Tensor]:
+        """``dict(module.named_buffers())``."""
+        if type(self.module).named_buffers is not nn.Module.named_buffers:  # a class of its own: ask it
+            return dict(self.module.named_buffers())
+        return dict(self._members("_buffers"))
+
+    def parameters(self) -> list[torch.Tensor]:
+        """``list(module.parameters())``."""
+        if type(self.module).named_parameters is not nn.Module.named_parameters:
+            return list(self.module.parameters())
+        seen: set[int] = set()
+        out: list[torch.Tensor] = []
+        for _, sub in self.named:
+            for p in sub._parameters.values():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+
+def _hook_dicts(tree: _Tree) -> list[dict[Any, Any]]:
+    """The hook dicts a replay of ``tree.module`` reads: its sub-modules' (its own hooks do not run again) and the
     global ones."""
     out = [d for d in _GLOBAL_HOOKS if isinstance(d, dict)]
-    for sub in itertools.islice(module.modules(), 1, None):
+    for _, sub in itertools.islice(tree.named, 1, None):
         own = sub.__dict__
         out += [own[name] for name in _HOOK_DICTS if name in own]
     return out
 
 
-def _hooks_at(module: nn.Module) -> tuple[tuple[dict[Any, Any], tuple[Any, ...]], ...]:
+def _hooks_at(tree: _Tree) -> tuple[tuple[dict[Any, Any], tuple[Any, ...]], ...]:
     """The hooks registered at the call, as (dict, items) for each hook dict that holds any."""
-    return tuple((d, tuple(d.items())) for d in _hook_dicts(module) if d)
+    return tuple((d, tuple(d.items())) for d in _hook_dicts(tree) if d)
 
 
-@contextlib.contextmanager
-def _hooks_as(module: nn.Module, recorded: tuple[tuple[dict[Any, Any], tuple[Any, ...]], ...]) -> Iterator[None]:
+class _HooksAs:
     """Puts the hooks registered at the call back for a replay (one added or removed since would change
-    what the replay computes), and the current ones back after."""
-    if _hooks_at(module) == recorded:
-        yield
-        return
-    then = {id(d): items for d, items in recorded}
-    now = [(d, tuple(d.items())) for d in _hook_dicts(module)]
-    for d, _ in now:
-        d.clear()
-        d.update(then.get(id(d), ()))
-    try:
-        yield
-    finally:
-        for d, items in now:
+    what the replay computes), and the current ones back after (NOTE [ Context managers of a replay ])."""
+
+    __slots__ = ("tree", "recorded", "now")
+
+    def __init__(self, tree: _Tree, recorded: tuple[tuple[dict[Any, Any], tuple[Any, ...]], ...]) -> None:
+        self.tree, self.recorded = tree, recorded
+        self.now: list[tuple[dict[Any, Any], tuple[Any, ...]]] = []
+
+    def __enter__(self) -> None:
+        if _hooks_at(self.tree) == self.recorded:
+            return
+        then = {id(d): items for d, items in self.recorded}
+        self.now = [(d, tuple(d.items())) for d in _hook_dicts(self.tree)]
+        for d, _ in self.now:
+            d.clear()
+            d.update(then.get(id(d), ()))
+
+    def __exit__(self, *exc: object) -> None:
+        for d, items in self.now:
             d.clear()
             d.update(items)
 
 
-@contextlib.contextmanager
-def _requires_grad_as(recorded: tuple[tuple[torch.Tensor, bool], ...]) -> Iterator[None]:
-    """Sets the parameters' ``requires_grad`` to the recorded flags for a replay, and back after."""
-    changed = [(p, p.requires_grad) for p, flag in recorded if p.requires_grad != flag and p.is_leaf]
-    for p, now in changed:
-        p.requires_grad_(not now)
-    try:
-        yield
-    finally:
-        for p, now in changed:
+class _RequiresGradAs:
+    """Sets the parameters' ``requires_grad`` to the recorded flags for a replay, and back after (NOTE
+    [ Context managers of a replay ])."""
+
+    __slots__ = ("recorded", "changed")
+
+    def __init__(self, recorded: tuple[tuple[torch.Tensor, bool], ...]) -> None:
+        self.recorded = recorded
+        self.changed: list[tuple[torch.Tensor, bool]] = []
+
+    def __enter__(self) -> None:
+        self.changed = [(p, p.requires_grad) for p, flag in self.recorded if p.requires_grad != flag and p.is_leaf]
+        for p, now in self.changed:
+            p.requires_grad_(not now)
+
+    def __exit__(self, *exc: object) -> None:
+        for p, now in self.changed:
             p.requires_grad_(now)
 
 
@@ -926,17 +1009,27 @@ def side_written(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> set[
     return out
 
 
-def _digest(state: torch.Tensor) -> bytes:
-    """A digest of an RNG state (BLAKE2b, 16 bytes): two states with equal digests are taken as equal."""
-    return hashlib.blake2b(state.numpy().tobytes(), digest_size=16).digest()
+# NOTE [ RNG states compared as bytes ]
+# A recording compares the CPU RNG state at a member's call with the state at the end of the call before
+# (``_Frame.end_rng``), and each call's state with the last recorded call's (``_rng_state``). Holding the
+# end state as a tensor would hold 5 KiB of torch memory per open recording, which the chain model does
+# not count; a BLAKE2b digest of it took 20 us per call on this project's CPU, twice per member of a
+# multi-member segment. A copy of its bytes (Python memory, which the torch profiler does not see, as in
+# NOTE [ Buffer copies outside the trace ] in remat.core.probe) costs 2 us, and comparing two of them is
+# exact (no digest collision to reason about).
+def _state_bytes(state: torch.Tensor) -> bytes:
+    """The bytes of a CPU RNG state (a uint8 tensor), outside torch's memory."""
+    return state.numpy().tobytes()
 
 
-def _rng_state(leaves: Sequence[Any], generators: Sequence[torch.Generator] = ()) -> _RngState:
+def _rng_state(leaves: Sequence[Any], generators: Sequence[torch.Generator] = ()) -> tuple[_RngState, bytes]:
+    """The RNG state at a call, and the bytes of its CPU state (NOTE [ RNG states compared as bytes ])."""
     cpu = torch.get_rng_state()
+    data = _state_bytes(cpu)
     last = _LOCAL.last_rng() if _LOCAL.last_rng is not None else None
-    if last is not None and torch.equal(last, cpu):
+    if last is not None and data == _LOCAL.last_rng_bytes:  # NOTE [ RNG states compared as bytes ]
         cpu = last  # no draws since the previous call: share one copy
-    _LOCAL.last_rng = weakref.ref(cpu)
+    _LOCAL.last_rng, _LOCAL.last_rng_bytes = weakref.ref(cpu), data
     cuda: dict[int, torch.Tensor] = {}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for leaf in leaves:
@@ -949,7 +1042,7 @@ def _rng_state(leaves: Sequence[Any], generators: Sequence[torch.Generator] = ()
     # replay drew from that step's generator where the forward had left it (gradients off from the second
     # step on, silently, helper-71).
     given = [leaf for leaf in leaves if isinstance(leaf, torch.Generator)]
-    return _RngState(cpu, cuda, {id(g): (g, g.get_state()) for g in (*generators, *given)})
+    return _RngState(cpu, cuda, {id(g): (g, g.get_state()) for g in (*generators, *given)}), data
 
 
 def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
@@ -1009,19 +1102,52 @@ def _flags() -> tuple[Any, ...]:
     return tuple(get() for get, _ in _FLAGS)
 
 
-@contextlib.contextmanager
-def _flags_as(recorded: tuple[Any, ...]) -> Iterator[None]:
+class _FlagsAs:
     """Sets the backend flags that differ from ``recorded`` (NOTE [ Backend flags under recomputation ])
-    for the block, and puts them back after."""
-    now = _flags()
-    changed = [(i, value) for i, value in enumerate(recorded) if now[i] != value]
-    for i, value in changed:
-        _FLAGS[i][1](value)
-    try:
-        yield
-    finally:
-        for i, _ in changed:
-            _FLAGS[i][1](now[i])
+    for the block, and puts them back after (NOTE [ Context managers of a replay ])."""
+
+    __slots__ = ("recorded", "now", "changed")
+
+    def __init__(self, recorded: tuple[Any, ...]) -> None:
+        self.recorded = recorded
+        self.now: tuple[Any, ...] = ()
+        self.changed: list[tuple[int, Any]] = []
+
+    def __enter__(self) -> None:
+        now = self.now = _flags()
+        self.changed = [(i, value) for i, value in enumerate(self.recorded) if now[i] != value]
+        for i, value in self.changed:
+            _FLAGS[i][1](value)
+
+    def __exit__(self, *exc: object) -> None:
+        for i, _ in self.changed:
+            _FLAGS[i][1](self.now[i])
+
+
+class _AutocastAs:
+    """The autocast state of the call, for a replay: an ``torch.autocast`` entered per device whose state at
+    the call differs from the state now, or that was enabled at the call. A device disabled at the call and
+    now, with the same dtype, needs none (NOTE [ Context managers of a replay ]): entering one changes
+    nothing the replay computes or what stays cached (autocast casts nothing while disabled, and its cache
+    is only cleared when the outermost region exits, as it then is by the region around the backward, if
+    any)."""
+
+    __slots__ = ("recorded", "stack")
+
+    def __init__(self, recorded: tuple[tuple[str, bool, torch.dtype], ...]) -> None:
+        self.recorded = recorded
+        self.stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> None:
+        for dev, enabled, dtype in self.recorded:
+            if not enabled and not torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == dtype:
+                continue
+            if self.stack is None:
+                self.stack = contextlib.ExitStack()
+            self.stack.enter_context(torch.autocast(dev, enabled=enabled, dtype=dtype))
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self.stack.__exit__(*exc) if self.stack is not None else None
 
 
 @dataclass(eq=False)
@@ -1081,7 +1207,7 @@ class _Frame:
         # The CPU RNG state right after the last recorded call, while the recording goes on: a call that
         # finds it unchanged (no draw in the model's code between) keeps no copy; its replay goes on from
         # the state the previous call's replay leaves (NOTE [ State under recomputation ]).
-        self.end_rng: bytes | None = None  # a digest: holding the state itself would hold 5 KiB per segment
+        self.end_rng: bytes | None = None  # its bytes: NOTE [ RNG states compared as bytes ]
         # (call, output leaf) -> its storage, weakly, for the outputs counted as made by their call (with no
         # autograd node, by their storage: ``made_since``) that a later member edited in place (check_made).
         self.edited_outs: dict[tuple[int, int], weakref.ref[torch.UntypedStorage]] = {}
@@ -1095,13 +1221,15 @@ class _Frame:
         self,
         module: nn.Module,
         role: _Role,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        flat: list[Any],
+        spec: Any,
         rng: _RngState,
-        state: dict[str, torch.Tensor],
+        rng_bytes: bytes,
         inner: tuple[tuple[_Span, int], ...],
+        tree: _Tree,
     ) -> int:
-        flat, spec = flatten((args, kwargs))
+        """Record a call with arguments ``flat``/``spec`` (:func:`remat.core.tree.flatten`), its RNG state and the
+        bytes of its CPU state (``_rng_state``), and its modules walked once for the call (``tree``)."""
         slots: list[tuple[Any, ...]] = []
         external: list[torch.Tensor] = []
         seen: dict[int, int] = {}  # one slot per distinct tensor: self_attn(x, x, x) replays with x three times
@@ -1122,10 +1250,10 @@ class _Frame:
         if external:
             dummy = torch.empty((0,), requires_grad=True)
             saver = _SaveInputs.apply(dummy, *external)
-        if self.calls and self.end_rng is not None and rng.cpu is not None and _digest(rng.cpu) == self.end_rng:
+        if self.calls and self.end_rng is not None and rng.cpu is not None and rng_bytes == self.end_rng:
             rng = _RngState(None, rng.cuda, rng.generators)
         modes = _plain_attrs(module, role)
-        grads = tuple((p, p.requires_grad) for p in module.parameters())
+        grads = tuple((p, p.requires_grad) for p in tree.parameters())
         self.calls.append(
             _Call(
                 module,
@@ -1135,19 +1263,20 @@ class _Frame:
                 saver,
                 rng,
                 _autocast_state(),
-                state,
+                {},
                 inner,
                 _flags(),
                 modes=modes,
-                hooks=_hooks_at(module),
+                hooks=_hooks_at(tree),
                 grads=grads,
                 dispatch_modes=_user_dispatch_modes(),
             )
         )
         return len(self.calls) - 1
 
-    def record_output(self, index: int, out: Any, mark: int, held: set[int] | None = None) -> None:
-        for j, leaf in enumerate(output_leaves(out)):
+    def record_output(self, index: int, outs: list[Any], mark: int, held: set[int] | None = None) -> None:
+        """Note the tensors among ``outs`` (``output_leaves`` of what call ``index`` returned) for links."""
+        for j, leaf in enumerate(outs):
             if isinstance(leaf, torch.Tensor):
                 self.outs[id(leaf)] = (
                     index,
@@ -1190,8 +1319,10 @@ class _Frame:
                     "does not recompute them)"
                 )
 
-    @contextlib.contextmanager
-    def packing(self, index: int) -> Iterator[None]:
+    def packing(self, index: int) -> torch.autograd.graph.saved_tensors_hooks:
+        """The saved-tensor hooks of call ``index`` of this recording (no generator: NOTE [ Context managers
+        of a replay ])."""
+
         def pack(t: torch.Tensor) -> _Holder:
             holder = _Holder()
             self.holders.append(weakref.ref(holder))
@@ -1200,8 +1331,7 @@ class _Frame:
             self.versions.append(note_saved(t))
             return holder
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, self.unpack):
-            yield
+        return torch.autograd.graph.saved_tensors_hooks(pack, self.unpack)
 
     # -- backward -----------------------------------------------------------------------------
 
@@ -1256,12 +1386,15 @@ class _Frame:
         """The first saved tensor of each call that was edited in place since it was saved, by call index
         (NOTE [ Saved tensors edited before the backward ])."""
         edited: dict[int, torch.Tensor] = {}
-        for entry, owner in zip(self.versions, self.owner):
-            if owner not in edited:
-                call = self.calls[owner]
-                t = _first_edited((entry,), call.module, call.role, call.state)
-                if t is not None:
-                    edited[owner] = t
+        # One pass over every saved tensor first: ``_first_edited`` of an entry finds one only among those
+        # ``edited_since`` returns, which is none on nearly every backward.
+        if edited_since(self.versions):
+            for entry, owner in zip(self.versions, self.owner):
+                if owner not in edited:
+                    call = self.calls[owner]
+                    t = _first_edited((entry,), call.module, call.role, call.state)
+                    if t is not None:
+                        edited[owner] = t
         for owner, call in enumerate(self.calls):
             if call.reads and owner not in edited:
                 t = _first_edited(call.reads, call.module, call.role, call.state)
@@ -1280,7 +1413,7 @@ class _Frame:
         # And Python's and numpy's global generators, where a member drew from them.
         py_now = _py_states() if any(call.py_rng is not None for call in self.calls) else None
         try:
-            with torch.random.fork_rng(devices=cuda_devices, device_type="cuda" if cuda_devices else "cpu"):
+            with _ForkRng(cuda_devices):
                 last_use = self._last_uses()
                 for index, call in enumerate(self.calls):
                     args, kwargs = self._arguments(call, outs)
@@ -1368,6 +1501,33 @@ class _Frame:
 
 def _identity(t: Any) -> Any:
     return t
+
+
+class _ForkRng:
+    """``torch.random.fork_rng(devices=cuda_devices)``: the CPU generator's state (and the CUDA devices')
+    put back after the replay; without CUDA devices, the CPU state only, without the generator-based
+    context manager (NOTE [ Context managers of a replay ])."""
+
+    __slots__ = ("devices", "cpu", "fork")
+
+    def __init__(self, devices: list[int]) -> None:
+        self.devices = devices
+        self.cpu: torch.Tensor | None = None
+        self.fork: contextlib.AbstractContextManager[Any] | None = None
+
+    def __enter__(self) -> None:
+        if self.devices:
+            self.fork = torch.random.fork_rng(devices=self.devices, device_type="cuda")
+            self.fork.__enter__()
+        else:
+            self.cpu = torch.get_rng_state()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        if self.fork is not None:
+            return self.fork.__exit__(*exc)
+        assert self.cpu is not None
+        torch.set_rng_state(self.cpu)
+        return None
 
 
 # NOTE [ Saved tensors edited before the backward ] in remat.core.versions.
@@ -1490,70 +1650,99 @@ def _set_py_states(states: tuple[Any, Any]) -> None:
 
 
 def _is_fsdp(module: nn.Module) -> bool:
-    return any(c.__name__ == "FSDPModule" for c in type(module).__mro__)
+    # By class, once per class (a module sharded after ``apply`` has a class of FSDP2's own: another entry).
+    cls = type(module)
+    found = _FSDP_CLASSES.get(cls)
+    if found is None:
+        found = _FSDP_CLASSES[cls] = any(c.__name__ == "FSDPModule" for c in cls.__mro__)
+    return found
 
 
-@contextlib.contextmanager
-def _bindings_kept(module: nn.Module) -> Iterator[None]:
-    """Put back afterwards what a recomputation binds to the attributes of ``module`` and its sub-modules
+_FSDP_CLASSES: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+class _BindingsKept:
+    """Put back afterwards what a recomputation binds to the attributes of ``tree.module`` and its sub-modules
     (an aux loss, a cache: ``self.aux = h.sum()``, RecurrentGemma's ``recurrent_states``): bound to the
     recomputed tensor, it would keep the recomputation's graph, and every tensor it saved, alive after it
     (1.31x the budget on an MoE aux loss, 1.30x on RecurrentGemma under an op-level policy). The items of a
     dict or list attribute the recomputation writes into (``self.store["aux"] = ...``) are put back too:
-    the replay's tensor there held its graph to the next step (1.42x the budget)."""
-    bound = [(sub, dict(sub.__dict__)) for sub in module.modules()]
-    dicts: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
-    lists: list[tuple[list[Any], list[Any]]] = []
-    seen: set[int] = set()
+    the replay's tensor there held its graph to the next step (1.42x the budget). (A class: NOTE [ Context
+    managers of a replay ].)"""
 
-    def collect(value: Any, depth: int) -> None:
+    __slots__ = ("tree", "bound", "dicts", "lists", "seen")
+
+    def __init__(self, tree: _Tree) -> None:
+        self.tree = tree
+        self.bound: list[tuple[nn.Module, dict[str, Any]]] = []
+        self.dicts: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
+        self.lists: list[tuple[list[Any], list[Any]]] = []
+        self.seen: set[int] = set()
+
+    def _collect(self, value: Any, depth: int) -> None:
         # The containers in an attribute, and the ones in them (``self.store = {"aux": []}``, a defaultdict(list)).
-        if depth > 2 or id(value) in seen:
+        if depth > 2 or id(value) in self.seen:
             return
         if type(value) in _DICTS:
-            seen.add(id(value))
-            dicts.append((value, dict(value)))
+            self.seen.add(id(value))
+            self.dicts.append((value, dict(value)))
             for v in list(value.values()):
-                collect(v, depth + 1)
+                self._collect(v, depth + 1)
         elif type(value) is list:
-            seen.add(id(value))
-            lists.append((value, list(value)))
+            self.seen.add(id(value))
+            self.lists.append((value, list(value)))
             for v in value:
-                collect(v, depth + 1)
+                self._collect(v, depth + 1)
 
-    for _, before in bound:
-        for name, value in before.items():
-            if name not in _MODULE_DICTS:
-                collect(value, 0)
-    try:
-        yield
-    finally:
-        for sub, before in bound:
+    def __enter__(self) -> None:
+        self.bound = [(sub, dict(sub.__dict__)) for sub in self.tree.modules()]
+        for _, before in self.bound:
+            for name, value in before.items():
+                if (type(value) is list or type(value) in _DICTS) and name not in _MODULE_DICTS:
+                    self._collect(value, 0)
+
+    def __exit__(self, *exc: object) -> None:
+        for sub, before in self.bound:
             now = sub.__dict__
+            if _same_items(now, before):
+                continue
             for name in [n for n in now if n not in before]:
                 del now[name]
             for name, value in before.items():
                 if now.get(name, _MISSING) is not value:
                     now[name] = value
-        for d, held in dicts:
-            if d.keys() != held.keys() or any(d[k] is not v for k, v in held.items()):
+        for d, held in self.dicts:
+            if not _same_items(d, held):
                 d.clear()
                 d.update(held)
-        for seq, was in lists:
+        for seq, was in self.lists:
             if len(seq) != len(was) or any(a is not b for a, b in zip(seq, was)):
                 seq[:] = was
 
 
 _DICTS = (dict, collections.defaultdict, collections.OrderedDict)
+
+
+def _same_items(now: dict[Any, Any], before: dict[Any, Any]) -> bool:
+    """Whether ``now`` holds the very objects ``before`` holds, under the same keys in the same order (a
+    comparison of identities run by C code; keys in another order count as a change, on the safe side)."""
+    return (
+        len(now) == len(before)
+        and all(map(operator.is_, now, before))
+        and all(map(operator.is_, now.values(), before.values()))
+    )
+
+
 _MODULE_DICTS = frozenset(vars(nn.Module()))  # _parameters, _buffers, _modules, the hook dicts
 
 
 def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     module, role = call.module, call.role
-    if hasattr(module, "unshard") and _is_fsdp(module):
+    if _is_fsdp(module) and hasattr(module, "unshard"):  # by class first: a failed hasattr costs a formatted error
         module.unshard()  # type: ignore[operator]  # FSDP2: its parameters were resharded after the forward
     swapped_buffers = _swap_buffers(call.buffer_slots)  # torch.func.functional_call's buffers, as at the call
-    buffers = dict(module.named_buffers())
+    tree = _Tree(module)  # NOTE [ One walk per call ]
+    buffers = tree.named_buffers()
     current = {name: buffers[name].detach().clone() for name in call.state if name in buffers}
     try:
         swapped = _swap_in_params(call)
@@ -1561,24 +1750,26 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         _put_back_buffers(swapped_buffers)
         raise
     try:
-        with torch.no_grad():
-            for name, value in call.state.items():
-                if name in buffers:
-                    buffers[name].copy_(value)
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(_bindings_kept(module))
-            for dev, enabled, dtype in call.autocast:
-                stack.enter_context(torch.autocast(dev, enabled=enabled, dtype=dtype))
-            stack.enter_context(_flags_as(call.flags))
-            stack.enter_context(_attrs_as(call.modes + call.attrs))
-            stack.enter_context(_hooks_as(module, call.hooks))
-            stack.enter_context(_requires_grad_as(call.grads))
-            stack.enter_context(_modes_as(role.name, call.dispatch_modes))
-            return _invoke(module, role, call.inner, args, kwargs, replay=True)
+        if call.state:
+            with torch.no_grad():
+                for name, value in call.state.items():
+                    if name in buffers:
+                        buffers[name].copy_(value)
+        with (
+            _BindingsKept(tree),
+            _AutocastAs(call.autocast),
+            _FlagsAs(call.flags),
+            _AttrsAs(call.modes + call.attrs),
+            _HooksAs(tree, call.hooks),
+            _RequiresGradAs(call.grads),
+            _ModesAs(role.name, call.dispatch_modes),
+        ):
+            return _invoke(module, role, call.inner, args, kwargs, replay=True, tree=tree)
     finally:
-        with torch.no_grad():
-            for name, value in current.items():
-                buffers[name].copy_(value)
+        if current:
+            with torch.no_grad():
+                for name, value in current.items():
+                    buffers[name].copy_(value)
         _put_back(swapped)
         _put_back_buffers(swapped_buffers)
 
@@ -1612,16 +1803,14 @@ def _param_refs(module: nn.Module, role: _Role) -> tuple[tuple[nn.Module, str, t
     return tuple(out)
 
 
-def _buffer_refs(
-    module: nn.Module, role: _Role
-) -> tuple[tuple[nn.Module, tuple[tuple[str, torch.Tensor | None], ...]], ...]:
-    """The buffer slots of ``module`` and its sub-modules at a call, as (owner, its ``_buffers`` items)
+def _buffer_refs(tree: _Tree) -> tuple[tuple[nn.Module, tuple[tuple[str, torch.Tensor | None], ...]], ...]:
+    """The buffer slots of ``tree.module`` and its sub-modules at a call, as (owner, its ``_buffers`` items)
     (references): a replay puts them back as they were (:func:`_swap_buffers`): tensors other code
     swapped in since (``torch.func.functional_call`` with buffers of its own), a slot that held None
     (a buffer the forward builds lazily, ``if self.buf is None: self.buf = ...``), a buffer registered
     since (``register_buffer`` in the forward), a buffer made a parameter since. Under FSDP2 too: it
     shards and swaps parameters between forward and backward, never buffers."""
-    return tuple((sub, tuple(sub._buffers.items())) for sub in module.modules())
+    return tuple((sub, tuple(sub._buffers.items())) for _, sub in tree.named)
 
 
 def _swap_buffers(
@@ -1793,9 +1982,9 @@ _HOP_FIX = "keep this block (a plan that does not recompute it), or checkpoint i
 class _StateGuard:
     """NOTE [ State under recomputation ] for one call of a member."""
 
-    def __init__(self, module: nn.Module, role: _Role, leaves: Sequence[Any]) -> None:
+    def __init__(self, module: nn.Module, role: _Role, leaves: Sequence[Any], tree: _Tree) -> None:
         self.module, self.role = module, role
-        self.buffers = dict(module.named_buffers())
+        self.buffers = tree.named_buffers()
         self.versions = {n: b._version for n, b in self.buffers.items()}
         self.args = [t for t in leaves if isinstance(t, torch.Tensor)]
         self.arg_versions = [t._version for t in self.args]
@@ -1909,12 +2098,13 @@ def _guarded_recompute(
     forward = _original(module, role)
     flags = _flags()
     learning = not role.learned  # ``attrs`` holds every plain attribute: set back those changed since
-    modes = [(m, m.training) for m in module.modules()]
-    grads = [(p, p.requires_grad) for p in module.parameters()]
+    tree = _Tree(module)  # NOTE [ One walk per call ]
+    modes = [(m, m.training) for m in tree.modules()]
+    grads = [(p, p.requires_grad) for p in tree.parameters()]
     plain = tuple(a for a in _plain_attrs(module, role) if a[1] != "training")  # at the call
-    hooks = _hooks_at(module)
+    hooks = _hooks_at(tree)
     params = _param_refs(module, role)  # NOTE [ Parameters under recomputation ]: the forward's tensors
-    buffer_slots = _buffer_refs(module, role)
+    buffer_slots = _buffer_refs(tree)
     dispatch_modes = _user_dispatch_modes()  # NOTE [ Dispatch modes around the forward ]
     runs = 0
 
@@ -1954,14 +2144,15 @@ def _guarded_recompute(
             )
         swapped = _swap_params(role.name, params)
         swapped_buffers = _swap_buffers(buffer_slots)
+        now = _Tree(module)  # NOTE [ One walk per call ]: the recomputation's own walk
         try:
             with (
                 torch.inference_mode(False),
-                _bindings_kept(module),
-                _flags_as(flags),
-                _attrs_as(plain + (_attrs_changed(attrs) if learning else attrs)),
-                _hooks_as(module, hooks),
-                _modes_as(role.name, dispatch_modes),
+                _BindingsKept(now),
+                _FlagsAs(flags),
+                _AttrsAs(plain + (_attrs_changed(attrs) if learning else attrs)),
+                _HooksAs(now, hooks),
+                _ModesAs(role.name, dispatch_modes),
                 replaying(),
             ):
                 return forward(*args, **kwargs)
@@ -2115,26 +2306,36 @@ def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
-@contextlib.contextmanager
-def _modes_as(name: str, recorded: tuple[tuple[Any, ...], tuple[Any, ...]] | tuple[()]) -> Iterator[None]:
-    """A replay under the modes of the call (NOTE [ Dispatch modes around the forward ])."""
-    functions, dispatch = recorded or ((), ())
-    now_functions, now_dispatch = _user_dispatch_modes()
-    if not _same(now_dispatch, dispatch) or (now_functions and not _same(now_functions, functions)):
-        then = [type(m).__name__ for m in (*functions, *dispatch)] or "none"
-        now = [type(m).__name__ for m in (*now_functions, *now_dispatch)] or "none"
-        raise RematError(
-            f"apply: module {name!r} ran its forward under the modes {then} and is recomputed in the backward "
-            f"under {now} (a TorchDispatchMode entered around the forward only, or around the backward only), "
-            "so its recomputation would compute other values than its forward (NOTE [ Dispatch modes around "
-            "the forward ] in remat.core.runtime); enter the mode around both the forward and the backward, or "
-            "keep this block (a plan that does not recompute it)"
-        )
-    with contextlib.ExitStack() as stack:
-        if not now_functions:
+class _ModesAs:
+    """A replay under the modes of the call (NOTE [ Dispatch modes around the forward ], NOTE [ Context
+    managers of a replay ])."""
+
+    __slots__ = ("name", "recorded", "stack")
+
+    def __init__(self, name: str, recorded: tuple[tuple[Any, ...], tuple[Any, ...]] | tuple[()]) -> None:
+        self.name, self.recorded = name, recorded
+        self.stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> None:
+        functions, dispatch = self.recorded or ((), ())
+        now_functions, now_dispatch = _user_dispatch_modes()
+        if not _same(now_dispatch, dispatch) or (now_functions and not _same(now_functions, functions)):
+            then = [type(m).__name__ for m in (*functions, *dispatch)] or "none"
+            now = [type(m).__name__ for m in (*now_functions, *now_dispatch)] or "none"
+            raise RematError(
+                f"apply: module {self.name!r} ran its forward under the modes {then} and is recomputed in the "
+                f"backward under {now} (a TorchDispatchMode entered around the forward only, or around the backward "
+                "only), so its recomputation would compute other values than its forward (NOTE [ Dispatch modes "
+                "around the forward ] in remat.core.runtime); enter the mode around both the forward and the "
+                "backward, or keep this block (a plan that does not recompute it)"
+            )
+        if not now_functions and functions:
+            stack = self.stack = contextlib.ExitStack()
             for mode in functions:
                 stack.enter_context(mode)
-        yield
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self.stack.__exit__(*exc) if self.stack is not None else None
 
 
 def _refuse_functorch(role: _Role) -> None:
@@ -2256,14 +2457,16 @@ def _invoke(
     kwargs: dict[str, Any],
     *,
     replay: bool,
+    tree: _Tree | None = None,
 ) -> Any:
+    # ``tree``: the walk a replay made of ``module`` just before (NOTE [ One walk per call ]).
     if not spans or not torch.is_grad_enabled():
         return _run(module, role, args, kwargs, replay)
     _refuse_functorch(role)
     _refuse_outer_hooks(role)
     if role.learned and role.learned_training != module.training:
         role.learned = False  # NOTE [ State under recomputation ]: a mode change learns again
-    flat = leaves((args, kwargs))
+    flat, spec = flatten((args, kwargs))  # once for the call: each recording takes it (Frame.record)
     lazy = [leaf for leaf in flat if isinstance(leaf, Iterator) and not isinstance(leaf, (torch.Tensor, io.IOBase))]
     if lazy:
         # The forward consumes it: a replay would get it drained (a raw StopIteration in the backward) or
@@ -2273,13 +2476,14 @@ def _invoke(
             "consumes, so a recomputation cannot call it again as the forward did; pass a tuple or a list"
         )
     earlier = _LOCAL.last_rng() if _LOCAL.last_rng is not None else None
-    rng = _rng_state(flat, role.generators)
+    rng, rng_bytes = _rng_state(flat, role.generators)
     # NOTE [ One RNG state per segment ]: a state shared with an earlier call is held by that call's
     # recording; where the next call is a member of a span of this one, it keeps the reference (below).
     shared = earlier is not None and rng.cpu is earlier
-    guard = _StateGuard(module, role, flat)
+    tree = tree if tree is not None else _Tree(module)  # NOTE [ One walk per call ]
+    guard = _StateGuard(module, role, flat, tree)
     params = _param_refs(module, role)
-    buffer_slots = _buffer_refs(module, role)
+    buffer_slots = _buffer_refs(tree)
     sums = _param_sums(params) if not role.learned else []
     py_before = _py_states() if not role.learned or role.py_rng else None  # 50 us: learned on the first call
     watch = GeneratorWatch(_known(module, flat), module.buffers()) if not role.learned else None
@@ -2290,7 +2494,7 @@ def _invoke(
         calls: list[int] = []
         for frame, k in frames:
             # Recording the call saves its external tensors under the hooks of the spans around it.
-            calls.append(frame.record(module, role, args, kwargs, rng, {}, spans[k + 1 :]))
+            calls.append(frame.record(module, role, flat, spec, rng, rng_bytes, spans[k + 1 :], tree))
             stack.enter_context(frame.packing(calls[-1]))
             recorded.append((frame, calls[-1]))
         guard.own_links = set.intersection(
@@ -2331,12 +2535,11 @@ def _invoke(
             raise _updated_error(role.name, updated[0])
     reads = _note_reads(role)
     # What the call could return without making it, for its outputs with no autograd node (made_since).
+    outs = output_leaves(out)
     held = (
-        held_storages([module], flat)
-        if any(isinstance(t, torch.Tensor) and t.grad_fn is None for t in output_leaves(out))
-        else None
+        held_storages([module], flat) if any(isinstance(t, torch.Tensor) and t.grad_fn is None for t in outs) else None
     )
-    end_rng = _digest(torch.get_rng_state()) if any(pos + 1 < span.size for span, pos in spans) else None
+    end_rng = _state_bytes(torch.get_rng_state()) if any(pos + 1 < span.size for span, pos in spans) else None
     # NOTE [ One RNG state per segment ]
     # The cost model charges one RNG state per checkpoint (Chain.ckpt_state_bytes, in segment_bytes) and a copy
     # per later call of a segment only after a draw (Chain.rng_copy_bytes): with no draw in between, a nested
@@ -2351,7 +2554,8 @@ def _invoke(
         and all(frame.calls[index].rng.cpu is None for frame, index in recorded)
         and not (shared and any(pos + 1 < span.size for span, pos in spans))
     ):
-        _LOCAL.last_rng = None  # no recording keeps this call's state: do not hold it past the call
+        # No recording keeps this call's state: do not hold it past the call.
+        _LOCAL.last_rng = _LOCAL.last_rng_bytes = None
     for (frame, index), (span, position) in zip(recorded, spans):
         frame.calls[index].state = state
         frame.calls[index].params = params
@@ -2359,7 +2563,7 @@ def _invoke(
         frame.calls[index].py_rng = py_rng
         frame.calls[index].attrs = guard.attrs
         frame.calls[index].reads = reads
-        frame.record_output(index, out, mark, held)
+        frame.record_output(index, outs, mark, held)
         frame.end_rng = end_rng if position + 1 < span.size else None  # the last member: no call follows
     return out
 

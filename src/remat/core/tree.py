@@ -213,9 +213,35 @@ def _open(tree: Any, depth: int, inside: set[int], objects: bool) -> Any:
     return tree_map(one, tree)
 
 
+# NOTE [ Plain calls ]
+# Nearly every call remat records is ``block(t1, ..., tn)``: tensors by position, no keyword. pytree's
+# flatten and unflatten of ``(args, kwargs)`` cost about 20 us each per call in Python; for such a call
+# the leaves are the arguments and the spec depends on ``n`` only, made once by pytree itself and then
+# shared (a TreeSpec is immutable), and unflattening it is ``(tuple(leaves), {})``.
+_PLAIN_SPECS: dict[int, TreeSpec] = {}
+_TENSORS = (torch.Tensor, nn.Parameter)
+
+
+def _plain_call(tree: Any) -> bool:
+    return (
+        type(tree) is tuple
+        and len(tree) == 2
+        and type(tree[0]) is tuple
+        and type(tree[1]) is dict
+        and not tree[1]
+        and all(type(a) in _TENSORS for a in tree[0])
+    )
+
+
 def flatten(tree: Any) -> tuple[list[Any], TreeSpec]:
     """``tree_flatten`` with the dataclasses pytree does not know opened (NOTE [ Dataclasses are opened ]);
     ``torch.utils._pytree.tree_unflatten`` of the spec rebuilds them."""
+    if _plain_call(tree):  # NOTE [ Plain calls ]
+        n = len(tree[0])
+        spec = _PLAIN_SPECS.get(n)
+        if spec is None:
+            spec = _PLAIN_SPECS[n] = tree_flatten((tuple(range(n)), {}))[1]
+        return list(tree[0]), spec
     flat, spec = tree_flatten(tree)
     if not any(_closed(leaf) for leaf in flat):
         return flat, spec
@@ -224,6 +250,8 @@ def flatten(tree: Any) -> tuple[list[Any], TreeSpec]:
 
 def unflatten(values: list[Any], spec: TreeSpec) -> Any:
     """``tree_unflatten``, rebuilding an opened instance that appears twice as one copy."""
+    if spec is _PLAIN_SPECS.get(len(values)):  # NOTE [ Plain calls ]
+        return tuple(values), {}
     previous = _MEMO.copies
     _MEMO.copies = {}
     try:

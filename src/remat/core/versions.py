@@ -37,10 +37,9 @@ again in every replay: ``apply`` refuses it on every call (``GeneratorWatch.upda
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 
@@ -66,15 +65,20 @@ class _Replay(threading.local):
 _REPLAY = _Replay()
 
 
-@contextlib.contextmanager
-def replaying() -> Iterator[None]:
+# A context manager named as the function it was.
+class replaying:
     """Inside a replay (the backward's recomputation): what its recordings save is noted in ``_LAST``. A save
     in the forward is not: a later block that saves (or reads) a tensor after other code edited it must not
-    excuse the edit for an earlier block (their replay would read the edited values, silently)."""
-    _REPLAY.depth += 1
-    try:
-        yield
-    finally:
+    excuse the edit for an earlier block (their replay would read the edited values, silently). (A class,
+    not a generator: a replay leaves it through its early-stop exception, NOTE [ Context managers of a
+    replay ] in ``remat.core.runtime``.)"""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _REPLAY.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
         _REPLAY.depth -= 1
 
 
