@@ -232,6 +232,8 @@ class _Source:
     calls: frozenset[str]  # names of the functions and methods it calls
     called: frozenset[str] = frozenset()  # ``self.<name>`` it calls itself (``self.<name>(x)``)
     called_again: frozenset[str] = frozenset()  # ``self.<name>`` it calls at two places or more
+    # ``self.<name>`` it calls at two places under the same conditions (both run whenever one does: _branches)
+    called_twice: frozenset[str] = frozenset()
 
 
 _HELPER_DEPTH = 3  # how deep forward -> self.helper() -> ... is followed
@@ -270,6 +272,7 @@ def _read_source(cls: type) -> _Source:
     calls: set[str] = set()
     called: set[str] = set()
     called_again: set[str] = set()
+    called_twice: set[str] = set()
 
     def visit(fn: object, depth: int, seen: frozenset[str]) -> None:
         tree = _parse(fn)
@@ -277,6 +280,7 @@ def _read_source(cls: type) -> _Source:
             return
         parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         uses: list[tuple[tuple[int, int], str]] = []  # (when it runs, self.<name>)
+        sites: dict[str, list[dict[str, bool]]] = {}  # self.<name> -> the branches of each call of it here
         top = tree.body[0] if tree.body else None
         me = top.args.args[0].arg if isinstance(top, ast.FunctionDef) and top.args.args else "self"
         for node in ast.walk(tree):
@@ -295,6 +299,11 @@ def _read_source(cls: type) -> _Source:
                         if node.attr in called:
                             called_again.add(node.attr)
                         called.add(node.attr)
+                        path = _branches(node, parents)
+                        earlier = sites.setdefault(node.attr, [])
+                        if path in earlier:
+                            called_twice.add(node.attr)
+                        earlier.append(path)
         for _, name in sorted(uses):
             method = _own_method(cls, name)
             if method is not None:
@@ -304,7 +313,30 @@ def _read_source(cls: type) -> _Source:
                 order.setdefault(name)
 
     visit(getattr(cls, "forward", None), 0, frozenset({"forward"}))
-    return _Source(tuple(order), frozenset(names), frozenset(calls), frozenset(called), frozenset(called_again))
+    return _Source(
+        tuple(order),
+        frozenset(names),
+        frozenset(calls),
+        frozenset(called),
+        frozenset(called_again),
+        frozenset(called_twice),
+    )
+
+
+def _branches(node: ast.AST, parents: dict[int, ast.AST]) -> dict[str, bool]:
+    """The conditions of the ``if`` statements and expressions around ``node``: condition -> whether
+    ``node`` runs when it holds (``if not c:`` is ``c`` false, its ``else`` ``c`` true)."""
+    out: dict[str, bool] = {}
+    child, parent = node, parents.get(id(node))
+    while parent is not None:
+        if isinstance(parent, (ast.If, ast.IfExp)) and child is not parent.test:
+            orelse = parent.orelse if isinstance(parent, ast.If) else [parent.orelse]
+            holds, test = not any(child is c for c in orelse), parent.test
+            if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+                holds, test = not holds, test.operand
+            out.setdefault(ast.dump(test), holds)
+        child, parent = parent, parents.get(id(parent))
+    return out
 
 
 def _when(node: ast.Attribute, parents: dict[int, ast.AST]) -> tuple[int, int]:
@@ -1166,6 +1198,13 @@ def _children_in_call_order(module: nn.Module, prefix: str) -> list[str]:
         # activation or einops layer used twice) would run twice per step, which no block may: it stays
         # code between blocks, as the residual adds do (NOTE [ Split blocks ]).
         names = [n for n in names if not (n in source.called_again and _stateless(module.get_submodule(n)))] or names
+        if any(n in source.called_twice for n in names):
+            # NOTE [ Split blocks ]: a child with weights it calls at two places under the same conditions
+            # (Pegasus-X's encoder layer runs final_layer_norm, fc1 and fc2 on the tokens, then on the global
+            # tokens) runs twice per step, and the profile refused the whole split model: the layer stays one
+            # block. Calls in two branches (OPT's ``if self.do_layer_norm_before:`` and ``if not ...:``) or
+            # under a condition of their own (PatchTST's channel attention) are left to the profile to check.
+            return []
         order = [a for a in source.attributes if a in names]
         if set(order) == set(names):
             names = order

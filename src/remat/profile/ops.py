@@ -467,6 +467,21 @@ class _Recorder(TorchDispatchMode):
         self.current, self.current_index = None, -1
         self.drew_outside = False
 
+    def model_output(self, out: Any) -> None:
+        """Count the storages of the model's output that a block's op made among that block's outputs
+        (NOTE [ Block tensors in the model's output ])."""
+        leaves = [leaf for leaf in output_leaves(out) if isinstance(leaf, torch.Tensor)]
+        for run in self.runs:
+            if run is None:
+                continue
+            for leaf in leaves:
+                index = run.producer.get(leaf)  # by identity: no other tensor's address can match
+                if index is None:
+                    continue
+                for owner in run.ops[index].storages:
+                    if owner != EXTERNAL and owner not in run.outputs:
+                        run.outputs.append(owner)
+
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         packed = t.detach()
         if self.current is not None:
@@ -529,6 +544,17 @@ def _attribute_tensors(mods: Sequence[nn.Module]) -> list[torch.Tensor]:
     return out
 
 
+# NOTE [ Block tensors in the model's output ]
+# A tensor a block makes may reach the model's output without being the block's output: HF's
+# ``output_attentions=True`` collects each attention module's probabilities with a forward hook on that
+# sub-module (transformers' output recorder), so the model returns them and they are held through the
+# backward, while the layer returns only its hidden states. Autograd saves the same probabilities (the
+# ``attn @ v`` matmul's input): an op-level policy that recomputed them made a second copy in the backward
+# while the model's output still held the first (Whisper with eager attention, every menu policy of an
+# encoder layer 1.019-1.023x its prediction, the 50% plan 1.066x its prediction and 1.014x its budget). So
+# the ops that allocated them count among ``BlockOps.outputs`` too, found by the tensor's identity
+# (``_Run.producer``) after the model's forward: like a returned output, a policy caches them where
+# autograd saves them whole (NOTE [ The block's output is held anyway ] in ``remat.plan.policies``).
 def _one_forward(
     model: nn.Module, inputs: Any, members: list[list[nn.Module]], block_list: Sequence[Block], marked: bool = False
 ) -> tuple[list[_Run], Any]:
@@ -560,6 +586,7 @@ def _one_forward(
             rec,
         ):
             out = call_model(model, inputs, "profile")
+        rec.model_output(out)
     finally:
         for h in handles:
             h.remove()
