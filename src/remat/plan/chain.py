@@ -145,6 +145,8 @@ class Chain:
         out_free_bytes: Bytes of each block's own output (not an input it passes through) that the block
             does not save itself (default 0): when the block ends a recomputed region, torch stops the
             recomputation before (or frees right after) producing them, so they are not held during its backward.
+        replay_stop_peak_bytes: Forward peak of each block where it ends a replay, which stops at its last saved
+            tensor (default ``replay_fwd_peak_bytes``; NOTE [ The replay's last block stops early ]), bytes.
         ckpt_fwd_ms: Cost of each block's no-save forward under a checkpoint, milliseconds (default
             ``fwd_ms``). The profile measures it so that it also carries every overhead of
             checkpointing the block (hooks, RNG state, unpacking): a block checkpointed on its own
@@ -201,6 +203,10 @@ class Chain:
         rng_copy_bytes: Bytes of the RNG state a segment going on through each block keeps for its call,
             beyond the one every checkpoint keeps (``ckpt_state_bytes`` where the model's code before the
             block drew random numbers, ``BlockProfile.fresh_rng``; such a boundary is not joinable; default 0).
+        rng_draws: Whether each block's forward may draw from the default CPU generator (an op of it is random;
+            default all ``True``, as without the per-op profile): a top-level segment right after a
+            single-block one shares its RNG state only where nothing drew in between (NOTE [ Shared RNG
+            states ] in ``remat.plan.solver``).
         joinable: Whether a segment may go on from each block into the next one holding nothing that
             the chain model leaves out (``BlockProfile.chainable`` and the next block linked); the
             solvers put several blocks in one segment only across joinable boundaries (default all ``True``).
@@ -259,6 +265,9 @@ class Chain:
     released_bytes: tuple[int, ...] = ()
     pending_grad_bytes: tuple[int, ...] = ()
     rng_copy_bytes: tuple[int, ...] = ()
+    # Per block, whether its forward may draw from the default CPU generator (an op of it is random, or the
+    # per-op profile is missing): NOTE [ Shared RNG states ] in remat.plan.solver (default all True).
+    rng_draws: tuple[bool, ...] = ()
     recomputable: tuple[bool, ...] = ()
     startable: tuple[bool, ...] = ()
     sub_recomputable: tuple[bool, ...] = ()
@@ -275,6 +284,9 @@ class Chain:
     # recorded blocks only (NOTE [ Spans ] in remat.core.runtime), fwd_peak_bytes without the gap's rise
     # (default fwd_peak_bytes).
     replay_fwd_peak_bytes: tuple[int, ...] = ()
+    # Per block, its forward peak where it ends a replay, which stops at its last saved tensor (NOTE [ The
+    # replay's last block stops early ]; default replay_fwd_peak_bytes).
+    replay_stop_peak_bytes: tuple[int, ...] = ()
     # ``(block, after, bytes, late)`` of the dead branches chain_of frees right after their block (_dropped
     # with dead=True, BlockProfile.dead_saved_frees), which fwd_peak_bytes and replay_fwd_peak_bytes charge to
     # the forwards of blocks ``block+1..after`` (and the head's where ``after`` is the last block): they exist
@@ -303,6 +315,7 @@ class Chain:
     _late_held: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _late_replay: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _late_made: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    _late_gap: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.joinable:
@@ -335,6 +348,8 @@ class Chain:
             object.__setattr__(self, "recomputable", (True,) * len(self.fwd_ms))
         if not self.reached:
             object.__setattr__(self, "reached", (True,) * len(self.fwd_ms))
+        if not self.rng_draws:
+            object.__setattr__(self, "rng_draws", (True,) * len(self.fwd_ms))
         if not self.side_output_after:
             object.__setattr__(self, "side_output_after", (-1,) * len(self.fwd_ms))
         if not self.startable:
@@ -347,6 +362,8 @@ class Chain:
             object.__setattr__(self, "ckpt_fwd_ms", tuple(self.fwd_ms))
         if not self.replay_fwd_peak_bytes:
             object.__setattr__(self, "replay_fwd_peak_bytes", tuple(self.fwd_peak_bytes))
+        if not self.replay_stop_peak_bytes:
+            object.__setattr__(self, "replay_stop_peak_bytes", tuple(self.replay_fwd_peak_bytes))
         sizes = {
             f.name: len(v)
             for f in fields(self)
@@ -394,6 +411,7 @@ class Chain:
         object.__setattr__(self, "_late_held", held)
         object.__setattr__(self, "_late_replay", replay)
         object.__setattr__(self, "_late_made", made)
+        object.__setattr__(self, "_late_gap", _late_gap_table(self, n))
 
     @property
     def n(self) -> int:
@@ -459,7 +477,7 @@ class Chain:
         # that is none of that block's inputs (released_bytes: freed under the segment too).
         return (
             int(self.x_bytes[stop])
-            + int(self.unsaved_input_bytes[start])
+            + self.first_input_bytes(start)
             + int(self.ckpt_state_bytes)
             + self._inside[stop]
             - self._inside[start]
@@ -474,7 +492,31 @@ class Chain:
             - int(self.released_bytes[stop - 1])
             + self.late_held_bytes(start, stop)
             + self.late_made_bytes(start, stop)
+            + (self._late_gap[start][stop] if self._late_gap else 0)
         )
+
+    def first_input_bytes(self, start: int) -> int:
+        """What a segment from block ``start`` holds of that block's inputs made between blocks beyond what the
+        level holds already, bytes: of those the block does not save (``unsaved_input_bytes``), the ones the gap
+        after it frees count as that gap's allocations netted against their free (``max(0, g + gf + gfu) -
+        max(0, g + gf)``, as for a later block of a segment: ``gap_freed_unlinked_bytes``), the others whole.
+
+        # NOTE [ The first block's unlinked input freed in its gap ]
+        The segment holds such an input to its backward, so the plain step's free of it in the gap after the
+        block does not happen. Charged whole (``unsaved_input_bytes``), it was charged on top of a gap that had
+        freed it: where the gap is negative (``max(0, g + gf)`` is 0, nothing netted) the segment held it twice,
+        once on the level (made before the block) and once more. Fuzz seed 1148 (whole blocks, ``x + saved[2]``
+        as a block's input, a gap of -131072 bytes freeing it and a 65536-byte tensor the model held): every
+        single-block segment there was charged 65536 bytes above its measured level, and the smallest plan was
+        predicted at 1.32x its measured peak (0.760); 0.80 after the fix, where the rest is the tensor the gap
+        frees under the segment too, which only the per-op profile tells apart (``released_bytes``). Where the
+        gap nets the free against as much allocated (``x = 2 * y``, a gap of 0) the charge is the same as
+        before: ``max(0, 0 + gfu) - 0``."""
+        g = int(self.gap_bytes[start]) + int(self.gap_freed_input_bytes[start]) if start < self.n else 0
+        gfu = int(self.gap_freed_unlinked_bytes[start]) if start < self.n else 0
+        unsaved = int(self.unsaved_input_bytes[start])
+        freed = min(gfu, unsaved)
+        return unsaved - freed + max(0, g + freed) - max(0, g)
 
     def segment_fwd_only_bytes(self, start: int, stop: int) -> int:
         """The part of ``segment_bytes(start, stop)`` held through the step's forward only, bytes: what its
@@ -556,6 +598,9 @@ class Chain:
         while a checkpoint holds it (two checkpoints over blocks that take T5's bias hold one tensor)."""
         held, inside, replay = [], [], []
         for i, (nbytes, producer, freed_after, users) in enumerate(self.late_inputs):
+            if producer in users and start < producer < stop <= freed_after < self.n - 1 and nbytes > 0:
+                held.append((i, int(nbytes)))  # NOTE [ Held inputs freed in a later gap ]
+                continue
             if producer >= start or nbytes <= 0 or not any(start <= u < stop for u in users):
                 continue
             if freed_after >= stop:
@@ -719,6 +764,68 @@ def _freed_output_held(chain: Chain, q: int) -> int:
 # the last block whose tensor the head frees is ``Chain.head_freed_bytes``' (charged through the head only).
 
 
+# NOTE [ Held inputs freed in a later gap ]
+# A segment holds every tensor its blocks take that it did not make as one of their outputs: its first block's
+# inputs, a late input taken from before it (``Chain.late_inputs``), an input made between two of its blocks
+# (``unlinked_bytes``). The plain step may free such a tensor in the gap after a later block that does not take
+# it: fuzz seed 2264, split into each layer's ``dropout`` and ``conv``, with the layer's own ``softmax(x) * d``
+# after the conv, and the model's ``h = layer(h)`` dropping the layer's input when the layer returns. So the
+# chain's input (taken by block 0, the first layer's dropout) is freed in the gap after block 1, and the first
+# layer's output (block 2's input, made between blocks 1 and 2) in the gap after block 3. ``gap_bytes`` nets
+# each free against what the gap allocates (the softmax and the product: gaps of 8 bytes), while under a
+# segment that holds the tensor the free never happens: ``R[0:3](K0 K1 K2) K3 K4 K5`` (``sqrt()``) measured
+# 376276 bytes against its prediction of 351700, two tensors of 12288 above it. Two cases, by where the gap is:
+#   * inside the segment (after one of its blocks but the last, which is none of the tensor's takers:
+#     ``gap_freed_input_bytes`` and ``gap_freed_unlinked_bytes`` count a taker's own gap): that gap's share of
+#     ``segment_bytes`` is ``max(0, g + gf + gfu + held)`` instead of ``max(0, g + gf + gfu)`` (``_late_gap_table``);
+#   * after the segment's last block: as a late input from before the segment (``Chain.late_held_bytes``), one
+#     copy more from the segment's end to the free. For a late input from before, that was charged already; for
+#     one made between two of its blocks, ``_late_inputs`` in ``remat.profile.profiler`` now records it (its
+#     taker as ``producer`` and only user) where it is freed after a later block than its taker, and
+#     ``_late_tables`` / ``Chain.late_records`` charge it to a segment going on through its taker.
+#     Not one the head frees (``freed_after >= n - 1``): the head's measured rise nets that free, and charging
+#     it from the segment's end to its backward put ``R[0:5](..) K5`` over a 3-layer model a further tensor
+#     above its measured peak.
+# A segment starting at that taker charges it already (``unsaved_input_bytes``: one copy more, for any free).
+# The solvers join no blocks across an input made between blocks (``Chain.joinable``), so the second case changes
+# the predictions of classic strategies only. Measured (tests/plan/test_held_input_later_gap.py, 16x128x16
+# floats): ``R[0:3](K0 K1 K2) K3 K4 K5`` 0.997x its prediction (1.150x before), ``K0 R[1:3](K1 K2) K3 K4 K5``
+# 1.000x (1.072x), ``R[0:3](K0 K1 K2) R[3:6](K3 K4 K5)`` 0.941x (1.067x); the fuzz cell exact (1.070x). Left on
+# the safe side: a replay of blocks across such a boundary still charges each replayed block's ``S'``, which
+# counts the allocations of the model's code after it (the softmax, the product) that a replay does not make;
+# the forward's level, now exact, no longer hides that: ``R[0:5](K0 K1 K2 K3 K4) K5`` 0.75x (0.83x before).
+
+
+def _late_gap_table(chain: Chain, n: int) -> tuple[tuple[int, ...], ...]:
+    """``[start][stop]``: what a segment ``start..stop-1`` holds of the gaps after its blocks but the last beyond
+    ``max(0, g + gf + gfu)``, where a gap frees a tensor the segment holds that none of the gap's own block takes
+    (NOTE [ Held inputs freed in a later gap ]), bytes; empty without late inputs."""
+    if not chain.late_inputs:
+        return ()
+    # per [start][q]: bytes held by a segment from start that the gap after q frees (q not a taker)
+    freed = [[0] * (n + 1) for _ in range(n + 1)]
+    for nbytes, producer, freed_after, users in chain.late_inputs:
+        q = freed_after
+        if nbytes <= 0 or not users or not 0 <= q < n - 1 or q in users or max(users) > q:
+            continue
+        for start in range(0, q + 1):
+            made_inside = producer in users and start < producer
+            from_before = producer < start <= max(users)
+            if made_inside or from_before:
+                freed[start][q] += int(nbytes)
+    table = [[0] * (n + 2) for _ in range(n + 1)]
+    for start in range(n + 1):
+        acc = 0
+        for stop in range(start + 1, n + 2):
+            q = stop - 2  # the gap after the block before the last of start..stop-1
+            if start <= q < n and freed[start][q]:
+                base = int(chain.gap_bytes[q]) + int(chain.gap_freed_input_bytes[q])
+                base += int(chain.gap_freed_unlinked_bytes[q]) if q > start else 0
+                acc += max(0, base + freed[start][q]) - max(0, base)
+            table[start][stop] = acc
+    return tuple(map(tuple, table))
+
+
 def _late_tables(
     late: tuple[tuple[int, int, int, tuple[int, ...]], ...],
     n: int,
@@ -753,6 +860,12 @@ def _late_tables(
         if producer >= 0 and ordered[0] > producer:
             for stop in range(ordered[-1] + 1, min(freed_after, n - 1) + 1):
                 by_producer[producer][stop] += nbytes
+        if producer in ordered and freed_after < n - 1:
+            # NOTE [ Held inputs freed in a later gap ]: made between blocks for ``producer``, held as its
+            # unlinked input by a segment going on through it, freed after the segment (not in the head).
+            for start in range(producer):
+                for stop in range(producer + 1, freed_after + 1):
+                    held[start][stop] += nbytes
         for start in range(max(0, producer + 1), ordered[-1] + 1):
             # A segment from ``start`` takes it from before it once it reaches its first user from there.
             first = next(u for u in ordered if u >= start)
@@ -901,6 +1014,33 @@ def _pending_grads(
 # only unclipped reading.
 
 
+# NOTE [ The replay's last block stops early ]
+# The replay of a segment stops once the last tensor its forward saved is saved again (torch's early stop,
+# ``_Stop`` in ``remat.core.runtime``): the last block of the replay runs its ops ``[0, stop)`` only
+# (``BlockOps.stop``), so what its forward makes after that (its output where the last op saves its input: a
+# closing SiLU, GELU, ``x * scale``) never exists in the replay, nor the peak it made. Charging that block's
+# whole forward peak in the replay predicted fuzz seed 15's ``full()`` (Linear then SiLU blocks) one output
+# (4,096 bytes) above its measured peak, wherever the step peaked in the replay. ``_stop_peak`` is the peak of
+# the ops before the stop by the storages' lifetimes in the per-op profile (``OpRecord.out_bytes``, ``freed``,
+# ``temp_bytes``, as NOTE [ Replays of op-level policies ] in ``remat.plan.policies`` reads them), plus what
+# the measured forward peak has above the highest of all the ops' (what the per-op record missed), never above
+# the measured peak. Without the per-op profile, or for a block whose replay runs to the end of its call (an op
+# that fills a saved argument, ``BlockOps.fills_saved``), the measured forward peak.
+def _stop_peak(profile: Profile, i: int) -> int:
+    """Block ``i``'s forward peak up to its early stop (NOTE [ The replay's last block stops early ]), bytes."""
+    from remat.plan.policies import _alive  # the storages' lifetimes, read as for an op-level policy's replay
+
+    b = profile.block_profiles[i]
+    if len(profile.block_ops) != len(profile.block_profiles):
+        return b.fwd_peak_bytes
+    ops = profile.block_ops[i]
+    if ops.fills_saved or not ops.ops or not 0 < ops.stop <= len(ops.ops):
+        return b.fwd_peak_bytes
+    live = _alive(ops, range(len(ops.ops)))
+    top = [live[t] + ops.ops[t].temp_bytes for t in range(len(ops.ops))]
+    return min(b.fwd_peak_bytes, max(top[: ops.stop]) + max(0, b.fwd_peak_bytes - max(top)))
+
+
 def _passes_through(bp: BlockProfile) -> bool:
     """Whether a block returns only tensors it was given (``nn.Identity``, a DropPath with ``p=0``)."""
     return bp.own_output_bytes == 0 < bp.output_bytes
@@ -974,6 +1114,9 @@ def chain_of(profile: Profile) -> Chain:
         # So is an earlier replayed block's dead branch (dead_saved_frees): no gap runs to drop it.
         replay_fwd_peak_bytes=tuple(b.fwd_peak_bytes + drop_fp[i] + dead_fp[i] for i, b in enumerate(bps))
         + (profile.head_peak_bytes,),
+        # NOTE [ The replay's last block stops early ]
+        replay_stop_peak_bytes=tuple(_stop_peak(profile, i) + drop_fp[i] + dead_fp[i] for i in range(len(bps)))
+        + (profile.head_peak_bytes,),
         # Measured against the level at the end of the block's forward, which still holds the input the
         # plain step frees right after it (freed_input_bytes): the simulator charges bp from the level
         # after that gap, so the freed input is added back (else an autocast block's backward peak is
@@ -1012,6 +1155,12 @@ def chain_of(profile: Profile) -> Chain:
         # NOTE [ Pending gradients above the chain's level ] (_pending_grads).
         pending_grad_bytes=_pending_grads(bps, gap_in, drop_bp, dead_bp) + (0,),
         rng_copy_bytes=tuple(profile.ckpt_state_bytes if b.fresh_rng else 0 for b in bps) + (0,),
+        # NOTE [ Shared RNG states ] in remat.plan.solver: without the per-op profile, every block may draw.
+        rng_draws=tuple(
+            any(op.random for op in profile.block_ops[i].ops) if len(profile.block_ops) == len(bps) else True
+            for i in range(len(bps))
+        )
+        + (True,),
         # A block the backward does not reach (BlockProfile.backward) frees what it saves with its graph, not
         # in a backward: recomputing it saves nothing the model above can count, so it is kept.
         recomputable=tuple(b.backward and not b.stateful and (not b.edits_input or b.edits_own_link) for b in bps)

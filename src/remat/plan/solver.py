@@ -288,6 +288,29 @@ class _Simulator:
         # The blocks of the top-level segments run so far: whether each is its segment's last (its gap then nets
         # a free as Chain.gap_netted_bytes says).
         self.in_segment: dict[int, bool] = {}
+        # NOTE [ Shared RNG states ]: whether the RNG state an earlier top-level segment keeps is still the
+        # runtime's last one and equal to the generator's (a segment starting now shares it), and the
+        # segments that share one (charged no state of their own).
+        self.rng_live = False
+        self.rng_shared: set[int] = set()
+
+    def _top_rng(self, op: Op) -> int:
+        """The RNG state bytes a top-level ``op`` does not hold of its own (NOTE [ Shared RNG states ]), and
+        what the runtime's last state is after it."""
+        c = self.chain
+        first = op.start if isinstance(op, Recompute) else op.index
+        live = self.rng_live and not c.rng_copy_bytes[first]
+        if isinstance(op, Recompute):
+            shared = live
+            # A single-block segment's call leaves its state as the last one; the last call of several drops it.
+            self.rng_live = op.stop - op.start == 1 and not c.rng_draws[op.start]
+            if shared:
+                self.rng_shared.add(id(op))
+                return int(c.ckpt_state_bytes)
+            return 0
+        # A kept block does not go through the runtime: the state stays the last one while nothing draws.
+        self.rng_live = live and isinstance(op, Keep) and not c.rng_draws[op.index]
+        return 0
 
     def _late(self, op: Recompute) -> tuple[int, tuple[int, ...]]:
         """What a checkpoint charges for the late inputs it holds from its end that no open checkpoint
@@ -299,11 +322,17 @@ class _Simulator:
         size = dict(held)
         return sum(size[i] for i in fresh) - sum(nbytes for i, nbytes in inside if i in self.late_open), fresh
 
-    def _block_sizes(self, op: Keep | RecomputeSub | RecomputeOps, replay: bool = False) -> tuple[int, int, int]:
+    def _block_sizes(
+        self, op: Keep | RecomputeSub | RecomputeOps, replay: bool = False, stops: bool = False
+    ) -> tuple[int, int, int]:
         """(S, fp, bp) of a normally run block; RecomputeSub / RecomputeOps lower them by the saved bytes
-        (``replay``: run in a replay, fp without the rise of the code before it)."""
+        (``replay``: run in a replay, fp without the rise of the code before it; ``stops``: a ``Keep`` ending the
+        replay, fp up to its early stop, NOTE [ The replay's last block stops early ] in ``remat.plan.chain``)."""
         if not isinstance(op, (RecomputeSub, RecomputeOps)):
-            return _kept_sizes(self.chain, op.index, 0, replay=replay)
+            keep, fwd_peak, bwd_peak = _kept_sizes(self.chain, op.index, 0, replay=replay)
+            if replay and stops:
+                fwd_peak = min(fwd_peak, int(self.chain.replay_stop_peak_bytes[op.index]))
+            return keep, fwd_peak, bwd_peak
         cost = self._sub_cost(op)
         return _kept_sizes(self.chain, op.index, int(cost[0]), _transient(cost), _fwd_drop(cost), replay=replay)
 
@@ -319,12 +348,14 @@ class _Simulator:
     def _rise(self, nbytes: int) -> None:
         self.peak = max(self.peak, self.level + nbytes)
 
-    def forward(self, op: Op, replay: bool, discard: int = 0) -> None:
+    def forward(self, op: Op, replay: bool, discard: int = 0, stops: bool = False) -> None:
         """Run ``op``'s forward; ``replay`` marks a recomputation (its time is extra); ``discard``
-        bytes of a last recomputed block's output are not held (``out_free_bytes``)."""
+        bytes of a last recomputed block's output are not held (``out_free_bytes``); ``stops``: the op ends
+        the replay (NOTE [ The replay's last block stops early ] in ``remat.plan.chain``)."""
         c = self.chain
         # In a replay the code between blocks does not run (NOTE [ Spans ]): the blocks peak as their own.
         fwd_peaks = c.replay_fwd_peak_bytes if replay else c.fwd_peak_bytes
+        shared_rng = 0 if replay else self._top_rng(op)
         if isinstance(op, Recompute):
             self.extra_ms += float(c.ckpt_call_ms)
             for q in range(op.start, op.stop):
@@ -344,6 +375,7 @@ class _Simulator:
                 )
                 self._rise(
                     c.ckpt_state_bytes
+                    - shared_rng
                     + fwd_peaks[q]
                     - self._absent_dead(q)
                     + (c.x_bytes[q] if q > op.start else 0)
@@ -354,7 +386,9 @@ class _Simulator:
             late = self._late(op)
             self.late_charged[id(op)] = late
             self.late_open.update(late[1])
-            self.level += c.segment_bytes(op.start, op.stop) - c.late_held_bytes(op.start, op.stop) + late[0]
+            self.level += (
+                c.segment_bytes(op.start, op.stop) - c.late_held_bytes(op.start, op.stop) + late[0] - shared_rng
+            )
             # Held to the head at the top level, never in a replay (Chain.segment_fwd_only_bytes).
             fwd_only = c.segment_fwd_only_bytes(op.start, op.stop)
             if replay:
@@ -380,7 +414,7 @@ class _Simulator:
                 for q in range(op.start, op.stop):
                     self._code_free(q)
             return
-        keep, fwd_peak, _ = self._block_sizes(op, replay)
+        keep, fwd_peak, _ = self._block_sizes(op, replay, stops)
         self._rise(fwd_peak - self._absent_dead(op.index))
         self.kept_run.add(op.index)
         self.level += keep - discard - self._open_held(op)
@@ -440,8 +474,9 @@ class _Simulator:
             del self.held_open[number]
         return credit
 
-    def backward(self, op: Op, discard: int = 0) -> None:
-        """Run ``op``'s backward (and, for a recompute, the replay of its inner plan)."""
+    def backward(self, op: Op, discard: int = 0, replay: bool = False) -> None:
+        """Run ``op``'s backward (and, for a recompute, the replay of its inner plan; ``replay``: the op ran in
+        a replay, as :meth:`forward` says)."""
         if isinstance(op, Recompute):
             last = len(op.inner) - 1
             freed = int(self.chain.out_free_bytes[op.stop - 1])
@@ -463,25 +498,28 @@ class _Simulator:
             self.level += hold + pending - made + gone  # the replay runs when the backward reaches the last block
             outer_kept, self.kept_run = self.kept_run, set()  # a replay keeps its own blocks only
             for i, inner_op in enumerate(op.inner):
-                self.forward(inner_op, replay=True, discard=freed if i == last else 0)
+                self.forward(inner_op, replay=True, discard=freed if i == last else 0, stops=i == last)
                 if i == 0:
                     self.level += first
             self.level -= pending  # a kept block's bp counts the gradients pending at its own backward
             # The replay stops after the last block's last saved tensor (torch's early stop).
             self.extra_ms -= float(self.chain.stop_ms[op.stop - 1])
             for i in range(last, -1, -1):
-                self.backward(op.inner[i], discard=freed if i == last else 0)
+                self.backward(op.inner[i], discard=freed if i == last else 0, replay=True)
             self.kept_run = outer_kept
             self.level -= hold + first
             self.level -= (
                 self.chain.segment_bytes(op.start, op.stop) - self.chain.late_held_bytes(op.start, op.stop) - made
             )
+            if id(op) in self.rng_shared:  # an earlier segment holds the state (NOTE [ Shared RNG states ])
+                self.rng_shared.discard(id(op))
+                self.level += int(self.chain.ckpt_state_bytes)
             # What it held through the forward only left at the head (top level) or was never held (replay).
             self.level += self.chain.segment_fwd_only_bytes(op.start, op.stop) - self.fwd_only.pop(id(op), 0)
             self.level -= late_held
             self.late_open.difference_update(late_ids)
             return
-        keep, _, bwd_peak = self._block_sizes(op)
+        keep, _, bwd_peak = self._block_sizes(op, replay=replay)
         self._rise(bwd_peak)
         self.level -= keep - discard - self._close_held(op)
         self.level += int(self.chain.grad_bytes[op.index])  # its parameters' gradients stay
@@ -1043,9 +1081,9 @@ def _held(chain: Chain) -> list[int]:
             s -= 1
             best = max(
                 best,
-                int(chain.unsaved_input_bytes[s])
+                chain.first_input_bytes(s)
                 + through
-                - int(chain.unsaved_input_bytes[k - 1])
+                - chain.first_input_bytes(k - 1)
                 + chain.late_held_bytes(s, k)
                 - own_late
                 # Made inside and held by the model's code (NOTE [ Late inputs made inside a segment ]).

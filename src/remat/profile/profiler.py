@@ -541,8 +541,12 @@ def profile(
         call_ms,
     )
     netted: set[tuple[int, int, tuple[int, ...]]] = set()  # NOTE [ Code-held frees the plain step nets ]
-    late = _late_inputs(trace, tracked, n, netted)
+    later: list[tuple[tuple[int, int, tuple[int, ...]], LateInput]] = []
+    late = _late_inputs(trace, tracked, n, netted, later)
     known = {(li.nbytes, li.producer, tuple(li.users)) for li in late}
+    # NOTE [ Held inputs freed in a later gap ] in remat.plan.chain: not one code_held_inputs charges already.
+    code_keys = {(li.nbytes, li.producer, tuple(li.users)) for li in code_held}
+    late += tuple(li for key, li in later if key not in code_keys)
     prof = replace(
         prof,
         loop=it.loop,
@@ -1323,7 +1327,11 @@ def _dead_saved(trace: MemoryTrace, tracked: Probe, n: int) -> tuple[list[tuple[
 
 
 def _late_inputs(
-    trace: MemoryTrace, tracked: Probe, n: int, netted: set[tuple[int, int, tuple[int, ...]]] | None = None
+    trace: MemoryTrace,
+    tracked: Probe,
+    n: int,
+    netted: set[tuple[int, int, tuple[int, ...]]] | None = None,
+    later: list[tuple[tuple[int, int, tuple[int, ...]], LateInput]] | None = None,
 ) -> tuple[LateInput, ...]:
     """The block inputs that the plain step frees in the forward after the block that takes them last
     (``Profile.late_inputs``; NOTE [ Chain cost model ]): T5's position bias, made by a stack's first layer,
@@ -1332,7 +1340,9 @@ def _late_inputs(
 
     ``netted`` receives ``(bytes, producer, users)`` of every block input the plain step frees in the forward,
     the unlinked ones left out of the result included, named as ``Profile.code_held_inputs`` are (the block
-    that allocated it, the blocks that take it): NOTE [ Code-held frees the plain step nets ].
+    that allocated it, the blocks that take it): NOTE [ Code-held frees the plain step nets ]. ``later``
+    receives that name and the entry of each unlinked input taken by one block that the plain step frees after
+    a later block (NOTE [ Held inputs freed in a later gap ] in ``remat.plan.chain``), left out of the result.
 
 
     A storage is named by its address and a time (the allocator reuses addresses): the allocation live
@@ -1375,12 +1385,20 @@ def _late_inputs(
             netted.add((int(size), producer, tuple(users)))
         # NOTE [ Unlinked inputs taken again later ]
         maker = unlinked.get((ptr, born))
+        freed_after = n if freed >= last_end else bisect_right(begin, freed) - 1
         if maker is not None:
+            key = (int(size), producer, tuple(users))
             users = [maker, *(u for u in users if u > maker)]
             if len(users) == 1:
-                continue  # charged as unlinked_bytes / unsaved_input_bytes of its blocks, as made between them
+                # Charged as unlinked_bytes / unsaved_input_bytes of its blocks, as made between them; freed
+                # after a later block than its taker, also as held to there (NOTE [ Held inputs freed in a later
+                # gap ] in remat.plan.chain), where the caller does not know it as code-held already.
+                if later is not None and freed_after > maker:
+                    later.append(
+                        (key, LateInput(nbytes=int(size), producer=maker, freed_after=freed_after, users=(maker,)))
+                    )
+                continue
             producer = maker
-        freed_after = n if freed >= last_end else bisect_right(begin, freed) - 1
         out.append(LateInput(nbytes=int(size), producer=producer, freed_after=freed_after, users=tuple(users)))
     return tuple(out)
 
