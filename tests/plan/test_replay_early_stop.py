@@ -8,8 +8,6 @@ forward peak in the replay: ``full()`` measured 167712 bytes against a predictio
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
@@ -18,6 +16,7 @@ import remat
 from remat.core.ops import Keep, Recompute
 from remat.plan.chain import chain_of
 from remat.plan.planner import plan_from_ops
+from tests.oracle import measured_bitwise
 
 N, D, B = 4, 64, 64
 
@@ -50,22 +49,7 @@ def case():
 
 
 def _measured(model, x, loss_fn, plan) -> int:
-    def grads(m: nn.Module) -> list[torch.Tensor]:
-        m.zero_grad(set_to_none=True)
-        torch.manual_seed(1)
-        loss_fn(m(x)).backward()
-        return [p.grad.clone() for p in m.parameters()]
-
-    ref = grads(copy.deepcopy(model))
-    m = copy.deepcopy(model)
-    remat.apply(m, plan)
-    try:
-        peak = remat.measure(m, (x,), loss_fn, steps=1, warmup=1, progress=False, grads="held").peak_bytes
-        got = grads(m)
-    finally:
-        remat.remove(m)
-    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
-    return peak
+    return measured_bitwise(model, x, loss_fn, plan)
 
 
 def test_the_stop_peak_leaves_out_what_follows_the_last_save(case) -> None:

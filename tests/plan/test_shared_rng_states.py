@@ -7,7 +7,6 @@ held gradients measured 28552 bytes against a prediction of 53832 (0.530), five 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
@@ -19,6 +18,7 @@ from remat.core.ops import Keep, Recompute
 from remat.plan.chain import chain_of
 from remat.plan.planner import plan_from_ops
 from remat.plan.solver import simulate
+from tests.oracle import measured_bitwise
 
 N, D, B = 6, 32, 16
 
@@ -56,22 +56,7 @@ def drawing():
 
 
 def _measured(model, x, loss_fn, plan) -> int:
-    def grads(m: nn.Module) -> list[torch.Tensor]:
-        m.zero_grad(set_to_none=True)
-        torch.manual_seed(1)
-        loss_fn(m(x)).backward()
-        return [p.grad.clone() for p in m.parameters()]
-
-    ref = grads(copy.deepcopy(model))
-    m = copy.deepcopy(model)
-    remat.apply(m, plan)
-    try:
-        peak = remat.measure(m, (x,), loss_fn, steps=1, warmup=1, progress=False, grads="held").peak_bytes
-        got = grads(m)
-    finally:
-        remat.remove(m)
-    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
-    return peak
+    return measured_bitwise(model, x, loss_fn, plan)
 
 
 def test_full_is_predicted_with_one_shared_state(plain) -> None:
