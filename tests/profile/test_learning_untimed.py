@@ -51,3 +51,22 @@ def test_no_timed_iteration_learns(monkeypatch: pytest.MonkeyPatch, repeats: int
     for kind, roles, unlearned in seen:
         assert roles > 0 and unlearned == 0, (kind, roles, unlearned)
     assert all(bp.selective_ms is not None for bp in prof.block_profiles)
+
+
+def test_one_learning_forward_serves_both_configurations(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [ One learning forward ]: the selective configuration's roles take what "full" learned.
+    learned: list[str] = []
+    original = profiler._learn
+
+    def learn(it: Any, block_list: Any, members: Any, ops: Any, reuse: Any) -> None:
+        learned.append(type(ops[0]).__name__)
+        original(it, block_list, members, ops, reuse)
+
+    monkeypatch.setattr(profiler, "_learn", learn)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Layer() for _ in range(3)))
+    prof = remat.profile(
+        model, torch.randn(16, 32), lambda y: y.pow(2).mean(), blocks=remat.blocks(model, types=Layer), repeats=1
+    )
+    assert learned == ["Recompute"]
+    assert all(bp.selective_ms is not None and bp.selective_ms > 0 for bp in prof.block_profiles)

@@ -545,13 +545,23 @@ class Probe:
                     older = False  # NOTE [ A view of a carried output ]
                 if not older and ptr not in self.params:
                     ok = False
-                    self.unlinked[index] += t.untyped_storage().nbytes()
-                    self._unlinked_storages[index][ptr] = t.untyped_storage().nbytes()
+                    # NOTE [ An unlinked storage counted once ]
+                    if ptr not in self._unlinked_storages[index]:
+                        self.unlinked[index] += st.nbytes()
+                        self._unlinked_storages[index][ptr] = st.nbytes()
         self.linked[index] = ok
         self._seen_before_prev = dict(self._seen)
         mine = _storage_refs((args, kwargs), self.params, out=True)
         self._prev_inputs = mine
         self._seen.update(mine)
+
+    # NOTE [ An unlinked storage counted once ]
+    # A block may take one storage through several arguments (``layer(x, ctx)`` where the model's code bound
+    # ``ctx = x``, or two views of one tensor): the recording holds it once, and so does the plain step. Summed
+    # per argument, ``unlinked_bytes`` counted it once per argument, and every segment through the block was
+    # charged it again (a layer taking ``(x, x)`` after code made ``x``: one activation above the measured level
+    # from that block to the segment's backward, full() at 0.94x its prediction). Each storage counts once, as
+    # ``_unlinked_storages`` (by which ``unsaved_unlinked`` and the gap figures read them) always held it.
 
     # NOTE [ A view of a carried output ]
     # A storage that existed before the previous block started is held by a segment across the boundary

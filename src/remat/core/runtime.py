@@ -2756,6 +2756,37 @@ def install(
     return touched
 
 
+# What a role's learning call finds (NOTE [ State under recomputation ]): facts about its modules' forward,
+# whichever way a plan runs them (the fields ``_Role.__getstate__`` resets).
+_LEARNED_FIELDS = (
+    "learned",
+    "learned_training",
+    "stateful",
+    "norms",
+    "generators",
+    "param_slots",
+    "py_rng",
+    "fills_saved",
+    "attrs",
+    "plain_names",
+    "reads",
+)
+
+
+def share_learning(source: Sequence[tuple[nn.Module, _Role]], target: Sequence[tuple[nn.Module, _Role]]) -> bool:
+    """Give each role in ``target`` (``install``'s ``reuse`` entry) what the role of the same module in
+    ``source`` learned, so that its first call does not learn again (NOTE [ One learning forward ] in
+    ``remat.profile.profiler``). All or nothing: ``False``, and nothing changed, where a module of
+    ``target`` has no role in ``source`` or one that has not learned."""
+    learned = {id(module): role for module, role in source if role.learned}
+    if any(id(module) not in learned for module, _ in target):
+        return False
+    for module, role in target:
+        for name in _LEARNED_FIELDS:
+            setattr(role, name, getattr(learned[id(module)], name))
+    return True
+
+
 def uninstall(modules: Sequence[nn.Module]) -> None:
     """Restore the original ``forward`` of every module :func:`install` touched."""
     for module in modules:

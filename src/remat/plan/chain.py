@@ -147,6 +147,12 @@ class Chain:
             recomputation before (or frees right after) producing them, so they are not held during its backward.
         replay_stop_peak_bytes: Forward peak of each block where it ends a replay, which stops at its last saved
             tensor (default ``replay_fwd_peak_bytes``; NOTE [ The replay's last block stops early ]), bytes.
+        stop_bwd_peak_bytes: Backward peak of each block where it ends a top-level segment: its own backward's
+            only (default ``bwd_peak_bytes``; NOTE [ The gap's backward runs before the replay ] in
+            ``remat.plan.solver``), bytes.
+        code_bwd_peak_bytes: Peak of the backward of the code after each block, above the level before it
+            (default 0: ``bwd_peak_bytes`` counts it), charged where a top-level segment ends with the block,
+            before its replay (NOTE [ The gap's backward runs before the replay ]), bytes.
         ckpt_fwd_ms: Cost of each block's no-save forward under a checkpoint, milliseconds (default
             ``fwd_ms``). The profile measures it so that it also carries every overhead of
             checkpointing the block (hooks, RNG state, unpacking): a block checkpointed on its own
@@ -287,6 +293,11 @@ class Chain:
     # Per block, its forward peak where it ends a replay, which stops at its last saved tensor (NOTE [ The
     # replay's last block stops early ]; default replay_fwd_peak_bytes).
     replay_stop_peak_bytes: tuple[int, ...] = ()
+    # Per block, its backward peak where it ends a top-level segment, and that of the code after it, charged
+    # before the replay (NOTE [ The gap's backward runs before the replay ] in remat.plan.solver; defaults
+    # bwd_peak_bytes and 0).
+    stop_bwd_peak_bytes: tuple[int, ...] = ()
+    code_bwd_peak_bytes: tuple[int, ...] = ()
     # ``(block, after, bytes, late)`` of the dead branches chain_of frees right after their block (_dropped
     # with dead=True, BlockProfile.dead_saved_frees), which fwd_peak_bytes and replay_fwd_peak_bytes charge to
     # the forwards of blocks ``block+1..after`` (and the head's where ``after`` is the last block): they exist
@@ -364,6 +375,10 @@ class Chain:
             object.__setattr__(self, "replay_fwd_peak_bytes", tuple(self.fwd_peak_bytes))
         if not self.replay_stop_peak_bytes:
             object.__setattr__(self, "replay_stop_peak_bytes", tuple(self.replay_fwd_peak_bytes))
+        if not self.stop_bwd_peak_bytes:
+            object.__setattr__(self, "stop_bwd_peak_bytes", tuple(self.bwd_peak_bytes))
+        if not self.code_bwd_peak_bytes:
+            object.__setattr__(self, "code_bwd_peak_bytes", (0,) * len(self.fwd_ms))
         sizes = {
             f.name: len(v)
             for f in fields(self)
@@ -1041,6 +1056,15 @@ def _stop_peak(profile: Profile, i: int) -> int:
     return min(b.fwd_peak_bytes, max(top[: ops.stop]) + max(0, b.fwd_peak_bytes - max(top)))
 
 
+def _bwd_peak(b: BlockProfile) -> int:
+    """Block ``b``'s backward peak above the level the chain model holds at its start, bytes: that of its own
+    backward and of the code after it, both above the level holding what that code left (NOTE [ The gap's
+    backward runs before the replay ] in ``remat.plan.solver``; ``bwd_peak_bytes`` in profiles without them)."""
+    if b.bwd_own_peak_bytes is None or b.bwd_code_peak_bytes is None:
+        return b.bwd_peak_bytes
+    return max(b.bwd_own_peak_bytes, b.bwd_code_peak_bytes)
+
+
 def _passes_through(bp: BlockProfile) -> bool:
     """Whether a block returns only tensors it was given (``nn.Identity``, a DropPath with ``p=0``)."""
     return bp.own_output_bytes == 0 < bp.output_bytes
@@ -1121,8 +1145,24 @@ def chain_of(profile: Profile) -> Chain:
         # plain step frees right after it (freed_input_bytes): the simulator charges bp from the level
         # after that gap, so the freed input is added back (else an autocast block's backward peak is
         # predicted that much too low wherever it is the step's peak).
-        bwd_peak_bytes=tuple(
-            b.bwd_peak_bytes + max(0, -b.gap_bytes) + drop_bp[i] + dead_bp[i] for i, b in enumerate(bps)
+        bwd_peak_bytes=tuple(_bwd_peak(b) + max(0, -b.gap_bytes) + drop_bp[i] + dead_bp[i] for i, b in enumerate(bps))
+        + (0,),
+        # NOTE [ The gap's backward runs before the replay ] in remat.plan.solver.
+        stop_bwd_peak_bytes=tuple(
+            (b.bwd_peak_bytes if b.bwd_own_peak_bytes is None else b.bwd_own_peak_bytes)
+            + max(0, -b.gap_bytes)
+            + drop_bp[i]
+            + dead_bp[i]
+            for i, b in enumerate(bps)
+        )
+        + (0,),
+        code_bwd_peak_bytes=tuple(
+            (
+                0
+                if b.bwd_code_peak_bytes is None
+                else b.bwd_code_peak_bytes + max(0, -b.gap_bytes) + drop_bp[i] + dead_bp[i]
+            )
+            for i, b in enumerate(bps)
         )
         + (0,),
         base_bytes=profile.base_bytes,

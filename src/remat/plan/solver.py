@@ -474,11 +474,19 @@ class _Simulator:
             del self.held_open[number]
         return credit
 
-    def backward(self, op: Op, discard: int = 0, replay: bool = False) -> None:
+    def backward(self, op: Op, discard: int = 0, replay: bool = False, stops: bool = False) -> None:
         """Run ``op``'s backward (and, for a recompute, the replay of its inner plan; ``replay``: the op ran in
-        a replay, as :meth:`forward` says)."""
+        a replay, as :meth:`forward` says; ``stops``: a ``Keep`` ending a top-level segment, whose backward
+        peaks as its own only, NOTE [ The gap's backward runs before the replay ])."""
         if isinstance(op, Recompute):
             last = len(op.inner) - 1
+            # NOTE [ The gap's backward runs before the replay ]: at the top level, the backward of the code after
+            # the segment runs first, above the level holding it; then that code's rise is gone.
+            gap_gone = 0
+            if not replay and op.stop - 1 < self.chain.n:
+                self._rise(int(self.chain.code_bwd_peak_bytes[op.stop - 1]))
+                gap_gone = max(0, int(self.chain.gap_bytes[op.stop - 1]))
+                self.level -= gap_gone
             freed = int(self.chain.out_free_bytes[op.stop - 1])
             # The checkpoint holds the segment's input through the replay and its backward, where the
             # replayed first block's gap (a plain step's) would free it: hold it back.
@@ -505,9 +513,11 @@ class _Simulator:
             # The replay stops after the last block's last saved tensor (torch's early stop).
             self.extra_ms -= float(self.chain.stop_ms[op.stop - 1])
             for i in range(last, -1, -1):
-                self.backward(op.inner[i], discard=freed if i == last else 0, replay=True)
+                self.backward(
+                    op.inner[i], discard=freed if i == last else 0, replay=True, stops=i == last and not replay
+                )
             self.kept_run = outer_kept
-            self.level -= hold + first
+            self.level -= hold + first - gap_gone
             self.level -= (
                 self.chain.segment_bytes(op.start, op.stop) - self.chain.late_held_bytes(op.start, op.stop) - made
             )
@@ -520,6 +530,8 @@ class _Simulator:
             self.late_open.difference_update(late_ids)
             return
         keep, _, bwd_peak = self._block_sizes(op, replay=replay)
+        if stops and isinstance(op, Keep):
+            bwd_peak = min(bwd_peak, int(self.chain.stop_bwd_peak_bytes[op.index]))
         self._rise(bwd_peak)
         self.level -= keep - discard - self._close_held(op)
         self.level += int(self.chain.grad_bytes[op.index])  # its parameters' gradients stay
@@ -546,6 +558,33 @@ class _Simulator:
         self.level += int(c.grad_bytes[n])
 
 
+# NOTE [ The gap's backward runs before the replay ]
+# The code after block ``k`` (its gap, ``g[k]``: Whisper's encoder-final LayerNorm, whose output every decoder
+# layer's cross-attention takes) runs its backward after block ``k + 1``'s and before block ``k``'s. The chain
+# model holds what that code left (``max(0, g[k])``) on the level until block ``k``'s backward ends (a kept
+# block's ``S'``, a segment's ``segment_bytes``), and the profile measures block ``k``'s backward peak above
+# the level at its forward's end, so that the window of the gap's backward is taken less ``max(0, g[k])``.
+# Three charges did not follow from that:
+#   * block ``k``'s own backward window was not taken less it (``bwd_peak_bytes``' first term): a kept block
+#     was charged what the gap left twice wherever its own backward, not the gap's, peaked;
+#   * a top-level segment ending with block ``k`` replays after the gap's backward has run: what the gap left
+#     is gone (what of it is still alive is in ``pending_grad_bytes``, measured at block ``k``'s backward
+#     start), while the simulator held it through the replay, and charged the gap's backward window inside
+#     the replayed last block's backward, above the replay;
+#   * so the replay of a segment ending before Whisper's decoder ran 16,896 bytes (the LayerNorm's output and
+#     statistics) too high from its start, and its last block's backward peaked that much and more above it:
+#     ``full()`` over Whisper's four layers was predicted 35,432 bytes above its measured peak (0.896x), a
+#     fuzz model's (seed 1079) at 0.79x, one whose layers end with a LayerNorm and SiLU between them at 0.94x.
+# The profile now keeps both windows apart (``BlockProfile.bwd_own_peak_bytes``, ``bwd_code_peak_bytes``, each
+# above the level holding ``max(0, g[k])``): a kept block peaks at the higher of the two
+# (``Chain.bwd_peak_bytes``, the solvers' tables too); at a top-level segment's backward the gap's window is
+# charged above the level before the replay (``Chain.code_bwd_peak_bytes``), ``max(0, g[k])`` leaves the level
+# until the segment's backward ends, and the replayed last block charges its own window only
+# (``Chain.stop_bwd_peak_bytes``). Inside a replay (a nested segment, a block before the replay's last) the gap
+# code did not run in the replay but its backward runs between the blocks' backward: nothing changes there.
+# The solvers' tables charge a segment's last block its whole ``bwd_peak_bytes`` above the replay, as before:
+# never below the simulation (they only lose the first double charge, which they share with it). Profiles
+# without the two windows (written before them) keep the old charges.
 def reached_ops(chain: Chain, ops: tuple[Op, ...]) -> tuple[Op, ...]:
     """``ops`` with every ``Recompute`` over a block the backward does not reach (``Chain.reached``) run
     as ``Keep`` of its blocks, for the memory (NOTE [ Blocks the backward does not reach ])."""

@@ -21,7 +21,7 @@ from remat.blocks import Block, fingerprint, looped_hint, resolve
 from remat.blocks import blocks as find_blocks
 from remat.core.ops import Keep, Op, Recompute, RecomputeOps
 from remat.core.probe import Event, Probe, probe, storages
-from remat.core.runtime import install, nested_plans, suspended, uninstall
+from remat.core.runtime import install, nested_plans, share_learning, suspended, uninstall
 from remat.core.trace import (
     Grads,
     Iteration,
@@ -39,7 +39,7 @@ from remat.core.trace import (
 from remat.core.wrapped import refuse_static_graph, unwrap
 from remat.errors import BlockSelectionError, RematError, higher_order_refused
 from remat.profile.ops import EXTERNAL, BlockOps, profile_ops
-from remat.profile.twins import pool_twins, twin_groups
+from remat.profile.twins import plain_rounds, pool_twins, twin_groups
 from remat.profile.types import BlockProfile, LateInput, Profile, SubProfile
 
 __all__ = ["profile"]
@@ -77,7 +77,8 @@ log = logging.getLogger(__name__)
 # variant (attention / FFN checkpointed) costs its measured forward once more plus one call.
 #
 # What this costs (issue #9 asked for at most 10 plain steps on a 12-layer GPT): ``repeats`` plain
-# iterations, max(1, repeats // 2) with every block checkpointed and as many under selective
+# iterations (fewer, at least two, where every block has twins: NOTE [ Fewer plain iterations for twins ]
+# in ``remat.profile.twins``), max(1, repeats // 2) with every block checkpointed and as many under selective
 # checkpoints (NOTE [ Op-level policy costs ]), interleaved, one untimed forward of each of the two
 # before them (NOTE [ Learning calls are not timed ]: ceil(repeats / 2) with every block checkpointed
 # before, the first of which learned and was left out, so one timed iteration fewer now times it alike), and one or two more of a configuration
@@ -101,6 +102,18 @@ log = logging.getLogger(__name__)
 # configuration, timed once by default, priced every op-level policy with the learning call in it
 # (5 ms a layer of A on a quiet machine, 23 ms under load, against a recomputation of about 28).
 
+
+# NOTE [ One learning forward ]
+# What a block's first call learns (NOTE [ State under recomputation ] in ``remat.core.runtime``: what its
+# forward changes and draws, where its attributes and parameters are, the tensors it reads) is a fact
+# about the block's forward, not about how a plan runs it. The selective configuration's roles take what
+# the "full" configuration's learning forward found for the same modules (``share_learning``), instead of
+# learning in a forward of their own: a third of a plain step fewer on workload A (issue #9: at most ten
+# for the whole profile). Where a selective block has no learned role under "full" (a block that edits
+# its input is kept there), the selective configuration learns in its own forward, as before.
+# The checks an op-level policy makes on its learning call (a generator of its own, Python's RNG, an op
+# that fills a saved argument) are the per-op profile's too: those blocks get no selective configuration
+# (``_selective_ok``).
 
 # NOTE [ Op-level policy costs ]
 # An op-level policy (RecomputeOps) keeps a block under torch's selective checkpoint, caching some ops'
@@ -222,10 +235,11 @@ def _call_ms(dev: torch.device, reps: int = 15) -> float:
     return max(0.0, median(diffs))
 
 
-def _schedule(configs: Sequence[str], repeats: int) -> list[str]:
-    """The timed iterations, interleaved round by round (NOTE [ Measured checkpoint costs ])."""
+def _schedule(configs: Sequence[str], repeats: int, plain: int | None = None) -> list[str]:
+    """The timed iterations, interleaved round by round (NOTE [ Measured checkpoint costs ]); ``plain``
+    plain ones (default ``repeats``: NOTE [ Fewer plain iterations for twins ] in ``remat.profile.twins``)."""
     rounds = {
-        "plain": repeats,
+        "plain": repeats if plain is None else plain,
         "full": max(1, repeats // 2),  # none learns: NOTE [ Learning calls are not timed ]
         "selective": max(1, repeats // 2),
     }
@@ -405,8 +419,10 @@ def profile(
         inputs: A tensor, a tuple of positional arguments or a dict of keyword arguments.
         loss_fn: Maps the model's output to a scalar loss.
         blocks: The blocks to measure (default: ``remat.blocks(model)``).
-        repeats: Timed plain iterations, >= 1 (and about half as many checkpointed ones, plus one or
-            two where the machine disturbed them: NOTE [ Disturbed iterations ]).
+        repeats: Samples of each block's plain times, >= 1: as many timed plain iterations, or fewer
+            (at least two) where every block has twins (NOTE [ Fewer plain iterations for twins ]); about
+            half as many checkpointed ones, plus one or two where the machine disturbed them (NOTE
+            [ Disturbed iterations ]).
         warmup: Untimed iterations first, >= 1 (they create the optimizer's state).
         grads: ``"none"`` (gradients set to ``None`` before each iteration, ``optimizer.zero_grad()``'s
             default: they are allocated in the backward) or ``"held"`` (zeroed in place, held before it).
@@ -497,9 +513,28 @@ def profile(
         members = resolve(model, block_list)
         runs: dict[str, list[list[tuple[str, int, int]]]] = {name: [] for name in configs}
         step_ms: list[float] = []
-        schedule = _schedule(list(configs), repeats)
+        ft = _times(flop_events)
+
+        def counted(start: tuple[str, int], end: tuple[str, int]) -> int:
+            return max(0, ft.get(end, ft.get(("end", 0), 0)) - ft.get(start, 0))
+
+        block_flops = [
+            (
+                counted((Event.FORWARD, i), (Event.FORWARD_END, i)),
+                counted((Event.BACKWARD, i), (Event.BACKWARD_END, i)),
+            )
+            for i in range(n)
+        ]
+        schedule = _schedule(list(configs), repeats, plain_rounds(members, block_ops, block_flops, repeats))
         reuse: dict[tuple[Op, ...], Any] = {}  # NOTE [ Learning calls are not timed ]
         for name, config in configs.items():
+            if name == "selective" and "full" in configs:
+                # NOTE [ One learning forward ]
+                install(it.model, config, members, [b.fqns for b in block_list], allow_stateful=True, reuse=reuse)
+                uninstall([module for module, _ in reuse[config]])
+                if share_learning(reuse[configs["full"]], reuse[config]):
+                    continue
+                del reuse[config]
             if name != "plain":
                 _learn(it, block_list, members, config, reuse)
         with show_progress(progress, len(schedule), "profile") as advance:
@@ -1807,6 +1842,15 @@ def _assemble(
                     0, max(trace.level_at(b0), trace.level_at(unpack_at[i])) - trace.level_at(f1) - grads_before
                 ),
                 bwd_level_bytes=trace.level_at(b0) - trace.level_at(f1) - grads_before,
+                # NOTE [ The gap's backward runs before the replay ] in remat.plan.solver: the two windows apart.
+                bwd_own_peak_bytes=trace.peak_between(b0, b1)
+                - max(0, gap_after[i])
+                - trace.level_at(f1)
+                - grads_before,
+                bwd_code_peak_bytes=trace.peak_between(min(b0, bwd_after[i]), b0)
+                - max(0, gap_after[i])
+                - trace.level_at(f1)
+                - grads_before,
                 held_input_bwd_bytes=_held_input_bwd(trace, lives, tracked, i, f0, f1, b0, b1),
                 fwd_ms=ms((Event.FORWARD, i), (Event.FORWARD_END, i)),
                 bwd_ms=ms((Event.BACKWARD, i), (Event.BACKWARD_END, i)),

@@ -118,6 +118,12 @@ class BlockProfile:
             ``chain_of`` adds back what it books as freed right after the block that the plain step frees later
             (``dropped_output_frees``, ``dead_saved_frees``): the level it tracks lacks those, the real one at
             the backward's start holds what the head keeps above it.
+        bwd_own_peak_bytes: The part of ``bwd_peak_bytes`` from its own backward's start to its end, above
+            that level and what the code after the block left (``max(0, gap_bytes)``, which the chain model
+            holds there), bytes; ``None`` in profiles written before the field existed (NOTE [ The gap's
+            backward runs before the replay ] in ``remat.plan.solver``).
+        bwd_code_peak_bytes: The other part: from the end of the next block's backward to the start of its
+            own (the backward of the code after it), above the same level, bytes (``None`` as above).
         fwd_flops: Forward FLOPs (``torch.utils.flop_counter``).
         bwd_flops: Backward FLOPs.
         subs: Attention / FFN sub-modules of a mixed block.
@@ -267,6 +273,8 @@ class BlockProfile:
     dead_saved_frees: tuple[tuple[int, int], ...] = ()
     bwd_level_bytes: int | None = None
     dead_head_late_bytes: int = 0
+    bwd_own_peak_bytes: int | None = None
+    bwd_code_peak_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.own_output_bytes < 0:  # profiles written before the field existed
