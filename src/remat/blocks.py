@@ -657,6 +657,16 @@ def _param_count(modules: Sequence[nn.Module]) -> int:
 _SPLIT_COVERAGE = 0.9
 _TINY_STACK = 0.005
 
+# NOTE [ A stack beside a list of layers ]
+# A run of two like layers can sit beside an nn.ModuleList of layers: Conditional DETR's decoder holds
+# `layers` (six decoder layers) and two small heads of one class, `query_scale` and `ref_point_head`. The
+# run made the heads a stack, and a chosen stack's siblings are not searched (NOTE [ Every stack ]), so the
+# six decoder layers (36% of a Conditional DETR with a ResNet-18 backbone) were no blocks; and as
+# `query_scale` runs once per decoder layer after the first, the profile refused the model ("blocks must
+# run exactly once per step"). A ModuleList or ModuleDict has no forward of its own, so it is no layer
+# beside the run: when the stacks inside such siblings hold more weights than the runs chosen beside them,
+# those runs are dropped and every child is searched as where no stack was found; otherwise as before.
+
 
 class _Stacks:
     def __init__(self, model: nn.Module) -> None:
@@ -698,6 +708,18 @@ class _Stacks:
                     return True
         return False
 
+    def _outweighed(
+        self, stacked: list[tuple[str, list[str]]], lists: list[tuple[str, nn.Module]], prefix: str
+    ) -> bool:
+        """Whether the stacks inside the ModuleList / ModuleDict siblings ``lists`` hold more weights than the
+        runs of layers ``stacked`` chosen beside them (NOTE [ A stack beside a list of layers ])."""
+        if not lists:
+            return False
+        inner = [f for name, child in lists for f in self.cover(child, _join(prefix, name))]
+        mine = [f for _, fqns in stacked for f in fqns]
+        get = self.model.get_submodule
+        return self.weight([get(f) for f in inner]) > self.weight([get(f) for f in mine])
+
     def cover(self, module: nn.Module, prefix: str) -> list[str]:
         """The FQNs of the blocks below ``module``, in forward order (NOTE [ Every stack ])."""
         children = list(module.named_children())
@@ -714,6 +736,7 @@ class _Stacks:
             else:
                 runs.append([(name, child)])
         pieces: list[tuple[str, list[str]]] = []
+        stacked: list[tuple[str, list[str]]] = []  # runs of layers chosen here, each member a block
         singles: list[tuple[str, nn.Module]] = []
         layered = False
         if self._chain(module, children, runs):
@@ -734,12 +757,15 @@ class _Stacks:
                 pieces += inner
             elif whole >= _TINY_STACK * self.total:
                 # A Sequential member the forward loops over never runs itself: its children (NOTE [ A Sequential looped over ]).
-                pieces += [
+                stacked += [
                     (name, _callable_children(child, fqn) if _looped_over(module, name, child) else [fqn])
                     for name, child in run
                     for fqn in [_join(prefix, name)]
                 ]
                 layered = True
+        if stacked and self._outweighed(stacked, [(n, c) for n, c in singles if isinstance(c, _CONTAINERS)], prefix):
+            stacked, layered = [], False  # NOTE [ A stack beside a list of layers ]
+        pieces += stacked
         if not layered:
             pieces += [(name, self.cover(child, _join(prefix, name))) for name, child in singles]
         position = {name: i for i, (name, _) in enumerate(children)}

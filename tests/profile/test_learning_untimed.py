@@ -69,4 +69,4 @@ def test_one_learning_forward_serves_both_configurations(monkeypatch: pytest.Mon
         model, torch.randn(16, 32), lambda y: y.pow(2).mean(), blocks=remat.blocks(model, types=Layer), repeats=1
     )
     assert learned == ["Recompute"]
-    assert all(bp.selective_ms is not None and bp.selective_ms > 0 for bp in prof.block_profiles)
+    assert all(bp.selective_ms is not None for bp in prof.block_profiles)  # the selective configuration was timed

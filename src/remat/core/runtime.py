@@ -104,7 +104,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -143,6 +143,7 @@ _fresh_gids = itertools.count(-2, -1)
 
 class _Local(threading.local):
     counts: dict[int, int] | None = None
+    entries: int = 0  # recorded calls and replays started in this thread (NOTE [ Draws of other threads ])
     observer: Observer | None = None
     # id(span) -> (its open recording, weakly; the member position last recorded; the recording itself while
     # nothing of the graph holds it: _frame_for)
@@ -153,6 +154,9 @@ class _Local(threading.local):
     last_rng: weakref.ref[torch.Tensor] | None = None
     # The bytes of that state while ``last_rng`` is set (NOTE [ RNG states compared as bytes ]).
     last_rng_bytes: bytes | None = None
+    # Whether the backward running the current replay records a graph (NOTE [ Buffers of a replay under
+    # create_graph ]).
+    create_graph: bool = False
 
 
 _LOCAL = _Local()
@@ -1185,6 +1189,9 @@ class _Call:
     reads: tuple[Saved, ...] = ()
     # The caller's dispatch modes active at the call (NOTE [ Dispatch modes around the forward ]).
     dispatch_modes: tuple[tuple[Any, ...], tuple[Any, ...]] | tuple[()] = ()
+    # The bytes of the CPU RNG state at the end of a call that drew from it (NOTE [ Draws of other
+    # threads ]); None: the call drew nothing.
+    drew_to: bytes | None = None
 
 
 class _Frame:
@@ -1211,6 +1218,9 @@ class _Frame:
         # (call, output leaf) -> its storage, weakly, for the outputs counted as made by their call (with no
         # autograd node, by their storage: ``made_since``) that a later member edited in place (check_made).
         self.edited_outs: dict[tuple[int, int], weakref.ref[torch.UntypedStorage]] = {}
+        # id -> (the tensor, weakly; its float64 sum), for the outputs of learning calls: NOTE [ Edits of a
+        # member's output through .data ].
+        self.out_sums: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
         # The replay filled every holder inside a call that must run to its end first (NOTE [ Ops that fill a
         # saved argument ]).
         self.stop_after_call = False
@@ -1237,6 +1247,7 @@ class _Frame:
             if isinstance(leaf, torch.Tensor):
                 hit = self.outs.get(id(leaf))
                 if hit is not None and hit[2]() is leaf and leaf._version == hit[3] and where_data(leaf) == hit[5]:
+                    self._check_unedited(leaf, hit[0], module, role)
                     slots.append((_LINK, hit[0], hit[1]))
                 elif id(leaf) in seen:
                     slots.append((_EXT, seen[id(leaf)], leaf.requires_grad))
@@ -1274,10 +1285,33 @@ class _Frame:
         )
         return len(self.calls) - 1
 
-    def record_output(self, index: int, outs: list[Any], mark: int, held: set[int] | None = None) -> None:
-        """Note the tensors among ``outs`` (``output_leaves`` of what call ``index`` returned) for links."""
+    def _check_unedited(self, leaf: torch.Tensor, call: int, module: nn.Module, role: _Role) -> None:
+        """Refuse a link to an output of a learning call whose values changed since without a version bump
+        (NOTE [ Edits of a member's output through .data ])."""
+        entry = self.out_sums.get(id(leaf))
+        if entry is None or entry[0]() is not leaf:
+            return
+        now = _value_sum(leaf)
+        if now is None or torch.isnan(entry[1]) or torch.equal(now, entry[1]):
+            return
+        raise RematError(
+            f"apply: the output of module {self.calls[call].role.name!r} (shape {tuple(leaf.shape)}) was edited "
+            f"before module {role.name!r} took it, through .data or another alias that autograd does not see "
+            "(no version bump), so a recomputation, which hands the next module the recomputed output, would give "
+            "it the values from before the edit; edit it with an in-place op on the tensor itself (x.clamp_(...), "
+            "under torch.no_grad() if needed) or rebind it (x.data = x.data.clamp(...)), or keep these blocks "
+            "in separate segments"
+        )
+
+    def record_output(
+        self, index: int, outs: list[Any], mark: int, held: set[int] | None = None, learning: bool = False
+    ) -> None:
+        """Note the tensors among ``outs`` (``output_leaves`` of what call ``index`` returned) for links;
+        for a ``learning`` call, also their sums (NOTE [ Edits of a member's output through .data ])."""
         for j, leaf in enumerate(outs):
             if isinstance(leaf, torch.Tensor):
+                if learning and (total := _value_sum(leaf)) is not None:
+                    self.out_sums[id(leaf)] = (weakref.ref(leaf), total)
                 self.outs[id(leaf)] = (
                     index,
                     j,
@@ -1358,6 +1392,8 @@ class _Frame:
         # The replay's own graph keeps this hook alive (saved variables hold their hooks): reach the
         # frame through a weak reference, as torch's _recomputation_hook does, or the frame would leak.
         pack = _replay_pack(weakref.ref(self), gid)
+        previous_create_graph = _LOCAL.create_graph
+        _LOCAL.create_graph = torch.is_grad_enabled()  # the backward's mode, before the replay enables grad
         try:
             # A backward may run under torch.inference_mode() (the plain one does): the replay records a graph.
             with (
@@ -1374,6 +1410,8 @@ class _Frame:
                 _raise_if_vmapped(self.span.name, e)
                 raise
             e.__cause__ = e.__context__ = e.__traceback__ = None  # hold none of the replay's frames
+        finally:
+            _LOCAL.create_graph = previous_create_graph
         self.done.add(gid)
         if self.counter[gid] != len(self.holders):
             raise RematError(
@@ -1412,6 +1450,7 @@ class _Frame:
         own = {key: (gen, gen.get_state()) for call in self.calls for key, (gen, _) in call.rng.generators.items()}
         # And Python's and numpy's global generators, where a member drew from them.
         py_now = _py_states() if any(call.py_rng is not None for call in self.calls) else None
+        overlap = _Overlap()  # other threads' calls see this replay (NOTE [ Draws of other threads ])
         try:
             with _ForkRng(cuda_devices):
                 last_use = self._last_uses()
@@ -1424,6 +1463,8 @@ class _Frame:
                         _set_py_states(call.py_rng)
                     out = _replay_call(call, args, kwargs)
                     del args, kwargs
+                    if call.drew_to is not None and _state_bytes(torch.get_rng_state()) != call.drew_to:
+                        raise _other_draws_error(call.role.name)
                     if self.stop_after_call:
                         self.stop_after_call = False
                         raise _Stop
@@ -1436,6 +1477,7 @@ class _Frame:
                         outs[index] = output_leaves(out)
                     del out
         finally:
+            overlap.exit()
             for gen, st in own.values():
                 gen.set_state(st)
             if py_now is not None:
@@ -1617,8 +1659,10 @@ def _replay_pack(frame_ref: weakref.ref[_Frame], gid: int) -> Callable[[torch.Te
             holder.handles[gid] = handle
             frame.recomputed[gid][handle] = t
         if frame.counter[gid] == len(frame.holders):
-            if frame.calls[frame.owner[idx]].role.fills_saved:
-                # NOTE [ Ops that fill a saved argument ]: the op saving this tensor has not run yet.
+            call = frame.calls[frame.owner[idx]]
+            # NOTE [ Ops that fill a saved argument ]: the op saving this tensor has not run yet. NOTE [ Draws
+            # of other threads ]: a call that drew runs to its end, where its state is known.
+            if call.role.fills_saved or call.drew_to is not None:
                 frame.stop_after_call = True
             else:
                 raise _Stop
@@ -1743,18 +1787,21 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     swapped_buffers = _swap_buffers(call.buffer_slots)  # torch.func.functional_call's buffers, as at the call
     tree = _Tree(module)  # NOTE [ One walk per call ]
     buffers = tree.named_buffers()
-    current = {name: buffers[name].detach().clone() for name in call.state if name in buffers}
+    # NOTE [ Buffers of a replay under create_graph ]
+    state_slots = _state_in_slots(tree, buffers, call.state) if call.state and _LOCAL.create_graph else []
+    copied = {name: value for name, value in call.state.items() if name in buffers} if not state_slots else {}
+    current = {name: buffers[name].detach().clone() for name in copied}
     try:
         swapped = _swap_in_params(call)
     except BaseException:
+        _put_back_state(state_slots)
         _put_back_buffers(swapped_buffers)
         raise
     try:
-        if call.state:
+        if copied:
             with torch.no_grad():
-                for name, value in call.state.items():
-                    if name in buffers:
-                        buffers[name].copy_(value)
+                for name, value in copied.items():
+                    buffers[name].copy_(value)
         with (
             _BindingsKept(tree),
             _AutocastAs(call.autocast),
@@ -1766,12 +1813,59 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         ):
             return _invoke(module, role, call.inner, args, kwargs, replay=True, tree=tree)
     finally:
+        _put_back_state(state_slots)
         if current:
             with torch.no_grad():
                 for name, value in current.items():
                     buffers[name].copy_(value)
         _put_back(swapped)
         _put_back_buffers(swapped_buffers)
+
+
+# NOTE [ Buffers of a replay under create_graph ]
+# A replay runs with the buffers a call updates (BatchNorm's running statistics) as they were at the
+# call: it copies those values into the buffers, replays, and copies the current ones back. What the
+# replay saves goes through remat's hooks, which skip autograd's version check, so the two in-place
+# copies are harmless in a plain backward. Under ``create_graph=True`` (MAML's inner step, a Hessian-
+# vector product) the backward of the replayed ops records a graph of its own, and BatchNorm's double
+# backward saves ``running_mean`` / ``running_var`` directly; a later replay's copies bumped their
+# versions, and the outer backward then failed with torch's "modified by an inplace operation" where the
+# plain model trains. In a backward that records a graph, the replay gets a copy of the call's values in
+# each such buffer's slot instead, and the real buffers are neither read nor written: what that graph
+# saves is a tensor nobody edits. Only where every such buffer is in one slot of the member's modules
+# (a buffer two modules share, or one a class of its own names, would leave an alias reading the
+# current values): otherwise the replay copies, as in a plain backward.
+def _state_in_slots(
+    tree: _Tree, buffers: dict[str, torch.Tensor], state: dict[str, torch.Tensor]
+) -> list[tuple[dict[str, Any], str, Any]]:
+    """Put a copy of ``state`` (buffer name -> value at the call) in the buffers' slots under ``tree``;
+    returns (slot dict, name, tensor before) for each, to put back, or ``[]`` (nothing swapped) where a
+    buffer is not in exactly one slot."""
+    owners = dict(tree.named)
+    slots: dict[int, int] = {}
+    for _, sub in tree.named:
+        for t in sub._buffers.values():
+            if t is not None:
+                slots[id(t)] = slots.get(id(t), 0) + 1
+    places: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    for name, value in state.items():
+        if name not in buffers:
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        owner = owners.get(prefix)
+        if owner is None or owner._buffers.get(leaf) is not buffers[name] or slots[id(buffers[name])] != 1:
+            return []
+        places.append((owner._buffers, leaf, value))
+    out: list[tuple[dict[str, Any], str, Any]] = []
+    for d, leaf, value in places:
+        out.append((d, leaf, d[leaf]))
+        d[leaf] = value.detach().clone()
+    return out
+
+
+def _put_back_state(slots: list[tuple[dict[str, Any], str, Any]]) -> None:
+    for d, leaf, tensor in reversed(slots):
+        d[leaf] = tensor
 
 
 # NOTE [ Parameters under recomputation ]
@@ -1847,6 +1941,23 @@ def _address(t: torch.Tensor) -> int:
         return 0
 
 
+def _value_sum(t: torch.Tensor) -> torch.Tensor | None:
+    """A float64 sum of ``t``'s values (``None`` where it has none to compare: not floating, meta, a subclass)."""
+    try:
+        return t.detach().sum(dtype=torch.float64) if t.is_floating_point() and not t.is_meta else None
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+
+
+# NOTE [ Edits of a member's output through .data ]
+# A segment's replay hands a member the recomputed output of the member before it where the forward
+# handed it that output unchanged: the same tensor, at the same version and the same data (``h.data =
+# other`` moves the data: no link). An in-place edit through ``h.data`` (``x.data.clamp_(-1, 1)`` between
+# two layers, a write through a numpy view) changes the values and bumps no version counter, so the link
+# held and the replay gave the next member the unedited values: every gradient below the segment differed
+# (150 entries over 3 steps, silently; helper-119). A learning call sums each output (float64, no copy, as
+# the parameters' check ``_param_sums``), and the call that takes it compares: a change is refused. Later
+# calls are not checked (the model's code runs the same edits every step).
 def _param_sums(params: tuple[tuple[nn.Module, str, torch.Tensor, int, int], ...]) -> list[torch.Tensor | None]:
     # The learning call's check for edits through ``p.data``, which bump no version counter: a float64
     # sum per parameter (no copy of it), compared after the call.
@@ -2475,42 +2586,47 @@ def _invoke(
             f"apply: module {role.name!r} takes a {type(lazy[0]).__name__} (an iterator), which its forward "
             "consumes, so a recomputation cannot call it again as the forward did; pass a tuple or a list"
         )
-    earlier = _LOCAL.last_rng() if _LOCAL.last_rng is not None else None
-    rng, rng_bytes = _rng_state(flat, role.generators)
-    # NOTE [ One RNG state per segment ]: a state shared with an earlier call is held by that call's
-    # recording; where the next call is a member of a span of this one, it keeps the reference (below).
-    shared = earlier is not None and rng.cpu is earlier
-    tree = tree if tree is not None else _Tree(module)  # NOTE [ One walk per call ]
-    guard = _StateGuard(module, role, flat, tree)
-    params = _param_refs(module, role)
-    buffer_slots = _buffer_refs(tree)
-    sums = _param_sums(params) if not role.learned else []
-    py_before = _py_states() if not role.learned or role.py_rng else None  # 50 us: learned on the first call
-    watch = GeneratorWatch(_known(module, flat), module.buffers()) if not role.learned else None
-    mark = sequence_mark()
-    with contextlib.ExitStack() as stack:
-        recorded: list[tuple[_Frame, int]] = []
-        frames = [(_frame_for(span, position), k) for k, (span, position) in enumerate(spans)]
-        calls: list[int] = []
-        for frame, k in frames:
-            # Recording the call saves its external tensors under the hooks of the spans around it.
-            calls.append(frame.record(module, role, flat, spec, rng, rng_bytes, spans[k + 1 :], tree))
-            stack.enter_context(frame.packing(calls[-1]))
-            recorded.append((frame, calls[-1]))
-        guard.own_links = set.intersection(
-            *(
-                {
-                    id(flat[j])
-                    for j, slot in enumerate(frame.calls[c].slots)
-                    if slot[0] == _LINK and frame.outs[id(flat[j])][4]
-                }
-                for frame, c in recorded
+    overlap = _Overlap()  # NOTE [ Draws of other threads ]: from before the call's RNG state is read
+    try:
+        earlier = _LOCAL.last_rng() if _LOCAL.last_rng is not None else None
+        rng, rng_bytes = _rng_state(flat, role.generators)
+        # NOTE [ One RNG state per segment ]: a state shared with an earlier call is held by that call's
+        # recording; where the next call is a member of a span of this one, it keeps the reference (below).
+        shared = earlier is not None and rng.cpu is earlier
+        tree = tree if tree is not None else _Tree(module)  # NOTE [ One walk per call ]
+        guard = _StateGuard(module, role, flat, tree)
+        params = _param_refs(module, role)
+        buffer_slots = _buffer_refs(tree)
+        learning = not role.learned
+        sums = _param_sums(params) if learning else []
+        py_before = _py_states() if not role.learned or role.py_rng else None  # 50 us: learned on the first call
+        watch = GeneratorWatch(_known(module, flat), module.buffers()) if not role.learned else None
+        mark = sequence_mark()
+        with contextlib.ExitStack() as stack:
+            recorded: list[tuple[_Frame, int]] = []
+            frames = [(_frame_for(span, position), k) for k, (span, position) in enumerate(spans)]
+            calls: list[int] = []
+            for frame, k in frames:
+                # Recording the call saves its external tensors under the hooks of the spans around it.
+                calls.append(frame.record(module, role, flat, spec, rng, rng_bytes, spans[k + 1 :], tree))
+                stack.enter_context(frame.packing(calls[-1]))
+                recorded.append((frame, calls[-1]))
+            guard.own_links = set.intersection(
+                *(
+                    {
+                        id(flat[j])
+                        for j, slot in enumerate(frame.calls[c].slots)
+                        if slot[0] == _LINK and frame.outs[id(flat[j])][4]
+                    }
+                    for frame, c in recorded
+                )
             )
-        )
-        if watch is not None:
-            stack.enter_context(higher_order_refused(f"apply: module {role.name!r}", _HOP_FIX))
-            stack.enter_context(watch)
-        out = _run(module, role, args, kwargs, replay)
+            if watch is not None:
+                stack.enter_context(higher_order_refused(f"apply: module {role.name!r}", _HOP_FIX))
+                stack.enter_context(watch)
+            out = _run(module, role, args, kwargs, replay)
+    finally:
+        overlap.exit()
     if watch is not None:
         # The learning call: the generators it drew from, at their states before its first draws.
         rng.generators.update(watch.found)
@@ -2539,7 +2655,10 @@ def _invoke(
     held = (
         held_storages([module], flat) if any(isinstance(t, torch.Tensor) and t.grad_fn is None for t in outs) else None
     )
-    end_rng = _state_bytes(torch.get_rng_state()) if any(pos + 1 < span.size for span, pos in spans) else None
+    next_member = any(pos + 1 < span.size for span, pos in spans)
+    end_rng = _state_bytes(torch.get_rng_state()) if next_member or overlap.seen else None
+    drew_to = end_rng if overlap.seen and end_rng != rng_bytes else None  # NOTE [ Draws of other threads ]
+    end_rng = end_rng if next_member else None
     # NOTE [ One RNG state per segment ]
     # The cost model charges one RNG state per checkpoint (Chain.ckpt_state_bytes, in segment_bytes) and a copy
     # per later call of a segment only after a draw (Chain.rng_copy_bytes): with no draw in between, a nested
@@ -2563,9 +2682,89 @@ def _invoke(
         frame.calls[index].py_rng = py_rng
         frame.calls[index].attrs = guard.attrs
         frame.calls[index].reads = reads
-        frame.record_output(index, outs, mark, held)
+        frame.record_output(index, outs, mark, held, learning and position + 1 < span.size)
+        frame.calls[index].drew_to = drew_to
         frame.end_rng = end_rng if position + 1 < span.size else None  # the last member: no call follows
     return out
+
+
+class _Threads:
+    """Recorded calls and replays over all threads (NOTE [ Draws of other threads ]); read under ``lock``."""
+
+    lock = threading.Lock()
+    active: ClassVar[dict[int, int]] = {}  # thread id -> recorded calls and replays running in it
+    alive: ClassVar[dict[int, threading.Thread]] = {}  # the threads that ran one, while they live
+    entries = 0  # recorded calls and replays started, in every thread
+
+    @staticmethod
+    def several() -> bool:
+        """Whether more than one live thread ran a recorded call or a replay."""
+        alive = _Threads.alive
+        if len(alive) > 1:
+            for tid in [tid for tid, t in alive.items() if not t.is_alive()]:
+                del alive[tid]
+        return len(alive) > 1
+
+
+class _Overlap:
+    """Whether another thread's recorded call or replay ran while this one did, or another live thread ran
+    one before (NOTE [ Draws of other threads ])."""
+
+    __slots__ = ("own", "seen", "since", "tid")
+
+    def __init__(self) -> None:
+        self.tid = threading.get_ident()
+        with _Threads.lock:
+            _Threads.active[self.tid] = _Threads.active.get(self.tid, 0) + 1
+            if self.tid not in _Threads.alive:
+                _Threads.alive[self.tid] = threading.current_thread()
+            _Threads.entries += 1
+            self.seen = len(_Threads.active) > 1 or _Threads.several()
+            self.since = _Threads.entries
+        _LOCAL.entries += 1
+        self.own = _LOCAL.entries
+
+    def exit(self) -> None:
+        with _Threads.lock:
+            others = (_Threads.entries - self.since) - (_LOCAL.entries - self.own)
+            self.seen = self.seen or others > 0 or len(_Threads.active) > 1 or _Threads.several()
+            left = _Threads.active[self.tid] - 1
+            if left:
+                _Threads.active[self.tid] = left
+            else:
+                del _Threads.active[self.tid]
+
+
+# NOTE [ Draws of other threads ]
+# A replay draws its random numbers (dropout's masks) from the CPU generator put back to its state at the
+# call, so it redraws what the forward drew only if nothing else drew from that generator while the
+# forward ran. torch has one default CPU generator for all threads: two threads training two models with
+# dropout interleave their draws, and a replay then drew other masks than its forward (two planned GPTs
+# in two threads: 35 of 96 replayed dropout calls, gradients silently computed for masks the forward did
+# not use; torch.utils.checkpoint does the same). A recorded call made while another live thread has run
+# recorded calls or replays, or during which one ran (``_Overlap``: a lock and two counters, about a
+# microsecond a call), and that drew, keeps the bytes of the state it ended at (Python memory, 5 KiB, as
+# ``_Frame.end_rng``); a replay that ran the call to its end and stands elsewhere drew other numbers (the
+# other thread drew during the forward, or during this replay), and raises. So a replay whose last saved tensor is one of such a call's
+# does not stop there (torch's early stop) but at the call's end, as for NOTE [ Ops that fill a saved
+# argument ]: the ops after it, which save nothing (a block's residual add after its last dropout), run
+# once more; the chain model charges a replay's last block its whole forward anyway. (Reading the state
+# at each saved tensor instead allocated 5 KiB of torch memory at every save: one test model measured
+# one RNG state above its prediction; reading it at the end of every call did too, which is why only
+# calls made with other threads about read it.) Draws of another thread while no recorded call of this
+# one runs, or in a call that itself draws nothing, change nothing a replay computes. Not seen: a thread
+# drawing outside remat's recorded calls and replays (a plain model's training, a no_grad forward in
+# train mode, data augmentation in a thread), and another thread's first recorded call starting during
+# the backward of a step whose forward ran alone.
+def _other_draws_error(name: str) -> RematError:
+    return RematError(
+        f"apply: recomputing module {name!r} drew other random numbers from the CPU generator than its forward "
+        "did: other code drew from torch's default generator while that forward ran (another thread training "
+        "at the same time: all threads share it), so the recomputed dropout masks, and the gradients, would "
+        "differ from the forward's; run one thread's training step (forward and backward) at a time (a lock "
+        "around each step), give the random ops a torch.Generator of the block's own, or keep the blocks that "
+        "draw random numbers"
+    )
 
 
 class _Dispatch:
@@ -2847,7 +3046,8 @@ def _check_members(model: nn.Module, _args: Any, _output: Any) -> None:
     name. A model may replace one after ``apply`` (HF BigBird swaps each ``attention.self`` for another
     object on its first forward when the sequence is too short for block-sparse attention): the plan would
     run the old one, which nothing calls, and the step would peak above the plan's budget, silently
-    (1.10-1.46x on BigBird before this check)."""
+    (1.10-1.46x on BigBird before this check). Likewise its ``forward``: NOTE [ A forward assigned after
+    apply ]."""
     if torch.compiler.is_compiling():  # traced away: a compiled model's plan is checked by its eager calls
         return
     entry = model.__dict__.get(_APPLIED_ATTR)
@@ -2868,6 +3068,24 @@ def _check_members(model: nn.Module, _args: Any, _output: Any) -> None:
                 "planned; call the model once before remat.apply (it builds its modules on its first call), or "
                 "apply the plan again"
             )
+        forward = module.__dict__.get("forward")
+        if not (isinstance(forward, _Dispatch) and forward.module is module):
+            raise RematError(
+                f"apply: module {role.name!r} had its forward assigned after remat.apply (module.forward = "
+                f"{getattr(forward, '__qualname__', type(forward).__name__)}), which replaced the forward remat "
+                "installed, so the plan no longer runs that module and the step is not planned; assign the forward "
+                "before remat.apply (remat then runs the one assigned) and do not assign it again in the model's "
+                "forward, or remat.remove the plan and apply it again after assigning it"
+            )
+
+
+# NOTE [ A forward assigned after apply ]
+# remat runs a planned module through the instance ``forward`` it installs (_Dispatch). Code that assigns
+# ``module.forward = fn`` after apply (a patch for inference, a partial with another scale, or a model
+# whose forward binds a closure to each layer on every call) replaces it: the module then runs plainly,
+# gradients stay exact, but nothing is recomputed and the step peaked at 1.45-1.83x the plan's
+# prediction, silently (helper-119). Checked with the modules after each forward of the model, before
+# any backward.
 
 
 def attached(model: nn.Module) -> Attached | None:

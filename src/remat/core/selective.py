@@ -188,9 +188,27 @@ def _contexts(save: frozenset[str], keys: dict[bool, OpKeys], casts: list[Any]) 
             if isinstance(out, torch.Tensor):  # NOTE [ Autocast's cache in a policy's recomputation ]
                 casts.append(weakref.ref(out))
         key = keys[recompute](func)
-        return CheckpointPolicy.MUST_SAVE if key in save else CheckpointPolicy.PREFER_RECOMPUTE
+        if key in save and not _inference(getattr(ctx, "op_output", None)):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)  # type: ignore[no-any-return]
+
+
+# NOTE [ Ops run under inference mode ]
+# A block may compute a constant under ``torch.inference_mode()`` (a normaliser's statistics, then
+# ``.clone()``d out of it). torch's selective checkpoint stores a cached op's output with its version,
+# which an inference tensor does not track: a policy that cached such an op (the planner's menu lists
+# every fresh op, and autograd saves nothing of it, so caching it looked free) crashed in the forward
+# with torch's "Inference tensors do not track version counter" (helper-119). Such an op is recomputed
+# instead, which gives the same values (it reads only what its forward read) and holds less.
+def _inference(out: Any) -> bool:
+    """Whether ``out`` (an op's output, possibly a tuple or list) holds an inference tensor."""
+    if isinstance(out, torch.Tensor):
+        return out.is_inference()
+    if isinstance(out, (tuple, list)):
+        return any(_inference(o) for o in out)
+    return torch.is_inference_mode_enabled()
 
 
 def _cast_leaf(args: Sequence[Any]) -> bool:
