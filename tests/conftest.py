@@ -14,8 +14,11 @@ from remat.models import Workload, workload
 
 
 class Tally:
-    """A count in an object of its own: a replay sets a block's plain attributes (ints, and lists of them)
-    back to their values at the call (NOTE [ State under recomputation ]), not an object's attributes."""
+    """A count in an object of its own without a ``__dict__``: a replay sets a block's plain attributes (ints,
+    and lists of them) back to their values at the call (NOTE [ State under recomputation ]), and those of the
+    plain objects its modules hold (NOTE [ Attributes other code sets ]), not a slotted object's."""
+
+    __slots__ = ("n",)
 
     def __init__(self) -> None:
         self.n = 0

@@ -19,7 +19,10 @@ from remat.plan.types import Plan
 
 
 class _Tally:
-    """Counts in an object of its own (a replay sets a block's plain attributes back to their values at the call)."""
+    """Counts in an object of its own without a ``__dict__`` (a replay sets a block's plain attributes, and those of
+    the plain objects its modules hold, back to their values at the call: NOTE [ Attributes other code sets ])."""
+
+    __slots__ = ("walks", "runs")
 
     def __init__(self) -> None:
         self.walks = 0

@@ -68,8 +68,10 @@ and the global hook dicts hold (``_Call.hooks``): a hook registered only around 
 or removed before the backward, is put as it was for the replay (its own hooks never run again; its
 sub-modules' do, as under torch's checkpoint, so a hook with side effects sees the replay too, one
 removed since included: a feature collector closed after the forward is called in the backward).
-Globals and objects' attributes other code changes are not seen; tensors are (NOTE [ Saved tensors
-edited before the backward ] in ``remat.core.versions``). A member that edits one of its tensor
+So are the attributes of its modules and of the plain objects they hold that other code creates, rebinds
+or deletes between the call and the backward (NOTE [ Attributes other code sets ]). Globals other code
+rebinds are not seen; tensors edited in place are (NOTE [ Saved tensors edited before the backward ] in
+``remat.core.versions``). A member that edits one of its tensor
 arguments in place is refused (its replay would edit it again). On the learning call a refusal puts
 back every buffer, argument and the RNG state first.
 Random draws follow the same scheme. The default generators' states are recorded per call (above):
@@ -101,6 +103,7 @@ import operator
 import random
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -254,13 +257,17 @@ class _Role:
     # that is not a buffer), weakly: each call notes their versions (NOTE [ Saved tensors edited before the
     # backward ] in remat.core.versions).
     reads: tuple[weakref.ref[torch.Tensor], ...] = ()
+    # (id of a plain object's __dict__, name) of the tensors there its learning call read, and of every name
+    # there at that call: each later call keeps the others weakly (NOTE [ Attributes other code sets ]).
+    object_reads: frozenset[tuple[int, str]] | None = None
+    object_names: frozenset[tuple[int, str]] = frozenset()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         # Learned again after loading.
         state["learned"], state["stateful"], state["norms"], state["generators"] = False, frozenset(), None, ()
         state["param_slots"], state["py_rng"], state["attrs"], state["plain_names"] = None, False, (), None
-        state["root"], state["reads"] = None, ()
+        state["root"], state["reads"], state["object_reads"], state["object_names"] = None, (), None, frozenset()
         return state
 
 
@@ -329,8 +336,8 @@ _MISSING = object()
 # so kept is held from the call to the segment's backward, where the plain step may free it when it is
 # rebound (a cache of the block's last output, ``self.last = y``: one such tensor per recomputed call,
 # which the profile does not charge; an attribute set to ``None`` in ``__init__`` was kept so before).
-# Not seen: an attribute first set after the member's first call (by it or by other code: still read
-# at its value in the backward), and attributes of objects that are not modules (``self.state.gain``).
+# An attribute first set after the member's first call, by it or by other code, and the attributes of
+# objects that are not modules (``self.state.gain``): NOTE [ Attributes other code sets ].
 _OTHER = object()  # a learning call's entry for an attribute whose value it does not keep (a module's anchor)
 
 
@@ -465,7 +472,7 @@ def _plain_attrs(module: nn.Module, role: _Role | None) -> tuple[tuple[nn.Module
     forward may read the model's step counter there), with its value at the call, for the replay (NOTE
     [ State under recomputation ]); mutable containers as copies (an in-place edit after the call would
     reach a reference). Where they are is found once per role (``_Role.plain_names``): an attribute first
-    set after the module's first call is not seen."""
+    set after the module's first call is kept by ``_dicts_at`` (NOTE [ Attributes other code sets ])."""
     if role is None or role.plain_names is None or not role.learned:  # a learning call finds them again
         own = list(module.modules())
         refs: dict[int, nn.Module] = {}
@@ -473,19 +480,24 @@ def _plain_attrs(module: nn.Module, role: _Role | None) -> tuple[tuple[nn.Module
             refs.update((id(v), v) for v in sub.__dict__.values() if isinstance(v, nn.Module))
         for sub in own:
             refs.pop(id(sub), None)
+        # Of its own modules, the mutable containers only (copies: an in-place edit after the call would reach
+        # the snapshot's reference); their other values, plain or tensors (NOTE [ Attributes a forward sets ]),
+        # are bound back from the call's ``__dict__`` copies (NOTE [ Attributes other code sets ]), as are the
+        # small lists and dicts of tensors they hold, copied here too (``layer.scales["g"] = h.mean()`` by the
+        # model after the call edits the dict the replay reads).
         names = tuple(
-            (sub, name)
-            for sub in (*own, *refs.values())
-            for name, value in sub.__dict__.items()
-            if name not in _MODULE_INTERNALS and _plain(value)
-        )
-        # NOTE [ Attributes a forward sets ]: and the plain tensors its own modules hold, which other code may
-        # rebind before the backward (``layer.extra = ...`` by the model after the call).
-        names += tuple(
             (sub, name)
             for sub in own
             for name, value in sub.__dict__.items()
-            if name not in _MODULE_INTERNALS and isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+            if name not in _MODULE_INTERNALS
+            and type(value) in (list, set, dict)
+            and (_plain(value) or _kept_value(name, value))
+        )
+        names += tuple(
+            (sub, name)
+            for sub in refs.values()
+            for name, value in sub.__dict__.items()
+            if name not in _MODULE_INTERNALS and _plain(value)
         )
         if role is not None:
             role.plain_names = names
@@ -496,8 +508,10 @@ def _plain_attrs(module: nn.Module, role: _Role | None) -> tuple[tuple[nn.Module
         value = sub.__dict__.get(name, _MISSING)
         if value is _MISSING or isinstance(value, (*_PRIMITIVES, torch.Tensor)):
             out.append((sub, name, value))
-        elif _plain(value):  # not a container of tensors (it would keep them alive per call)
+        elif _plain(value):
             out.append((sub, name, value.copy() if isinstance(value, (list, set, dict)) else value))
+        elif type(value) in (list, dict) and _kept_value(name, value):
+            out.append((sub, name, value.copy()))  # of tensors: NOTE [ Attributes other code sets ]
     return tuple(out)
 
 
@@ -525,11 +539,19 @@ _GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, f"_global{name}", None) f
 class _Tree:
     """The modules of one member at one call, walked once (NOTE [ One walk per call ])."""
 
-    __slots__ = ("module", "named")
+    __slots__ = ("module", "named", "_dicts")
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.named = list(module.named_modules())
+        self._dicts: _Dicts | None = None
+
+    def dicts(self, role: _Role | None) -> _Dicts:
+        """The attributes of its modules and of the plain objects they hold at this moment, once per call
+        (NOTE [ Attributes other code sets ])."""
+        if self._dicts is None:
+            self._dicts = _dicts_at(self.modules(), role)
+        return self._dicts
 
     def modules(self) -> list[nn.Module]:
         """``module.modules()``."""
@@ -1192,6 +1214,10 @@ class _Call:
     # The bytes of the CPU RNG state at the end of a call that drew from it (NOTE [ Draws of other
     # threads ]); None: the call drew nothing.
     drew_to: bytes | None = None
+    # The attributes of its modules and of the plain objects they hold, at the call, and its modules by
+    # name (NOTE [ Attributes other code sets ]).
+    dicts: _Dicts = ()
+    named: list[tuple[str, nn.Module]] = field(default_factory=list)
 
 
 class _Frame:
@@ -1281,6 +1307,8 @@ class _Frame:
                 hooks=_hooks_at(tree),
                 grads=grads,
                 dispatch_modes=_user_dispatch_modes(),
+                dicts=tree.dicts(role),
+                named=tree.named,
             )
         )
         return len(self.calls) - 1
@@ -1777,6 +1805,214 @@ def _same_items(now: dict[Any, Any], before: dict[Any, Any]) -> bool:
     )
 
 
+# NOTE [ Attributes other code sets ]
+# NOTE [ Attributes a forward sets ] keeps per call the attributes a member's modules hold at its first
+# call and those the forward sets. Other code may also create, rebind or delete an attribute the forward
+# reads between the call and the backward, after the first call, or on an object that is not a module:
+# the model sets ``layer.extra = h.mean()`` after the block ran, absent at its first call; blocks read
+# ``self.state.gain``, a tensor of a plain object the model rebinds between blocks. A replay read the
+# later value and computed other gradients, silently (every gradient of a 4-block MLP off over 3 steps,
+# helper-118; also an attribute of a sub-sub-module, one deleted and set again, a float on a shared
+# object, one read through a property, an object held by an object, an item of a dict the block holds).
+# So each call keeps a shallow copy of the ``__dict__`` of each of its modules and of the plain objects
+# (not modules, tensors, containers, classes, functions or Python modules; two levels down) they hold
+# (``_dicts_at``: a dict copy each, C code; a few microseconds per call for a small block, against the
+# milliseconds a recorded call costs), and a replay whose dict no longer holds the very same objects
+# (``_same_items``) gets the call's bindings for the replay, absent ones removed, and the current ones
+# back after (``_DictsAs``). What the replay binds there is put back too: a counter on a shared object
+# counts the forward's calls, as in the plain model (count replays in an object without a ``__dict__``),
+# and a tensor the replay binds there does not keep its graph. The values are references: a tensor
+# rebound since stays alive to the segment's backward, where the plain step may free it. On a module that
+# is NOTE [ Attributes a forward sets ]'s trade-off. On a plain object, where the blocks of a model often
+# leave a cache (``self.state.last = h``, rebound by the next block), it cost 1.85x the prediction under
+# ``remat.full()``: so there the tensors the member's learning call did not read are kept weakly
+# (``_object_copy``), and one that died by the replay is bound as a stand-in that refuses any use
+# (``_Gone``): exact or refused, never a later value. A sub-module replaced or removed since the call
+# (``layer.act = nn.Tanh()``) is refused at the replay (``_check_tree``): its recomputation would run
+# another module. Not seen: a list or dict of a plain object edited in place (a module's are:
+# ``_plain_attrs``), objects without a ``__dict__`` (``__slots__``), and globals.
+_Dicts = tuple[tuple[dict[str, Any], dict[str, Any]], ...]  # (an object's __dict__, its copy at the call)
+
+# Values of a module's __dict__ that are no plain object holding attributes, by type (the common ones, a
+# set lookup); ``_plain_object`` decides for the rest. remat's own entries (``_Role``, and ``_Dispatch``,
+# added below its class) are none.
+_NOT_OBJECTS: set[type] = {
+    dict,
+    collections.OrderedDict,
+    list,
+    tuple,
+    set,
+    frozenset,
+    torch.Tensor,
+    nn.Parameter,
+    _Role,
+    *_PRIMITIVES,
+}
+_NO_OBJECT_TYPES = (
+    nn.Module,
+    torch.Tensor,
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.MethodType,
+    types.BuiltinFunctionType,
+    *_PRIMITIVES,
+    *_CONTAINERS,
+    dict,
+)
+# The entries remat and nn.Module keep in a module's __dict__ (its role and instance forward, the registries).
+_OWN_ENTRIES = _MODULE_INTERNALS | {"forward", "_remat_role"}
+
+
+def _plain_object(value: Any) -> dict[str, Any] | None:
+    """The ``__dict__`` of ``value`` if it is a plain object whose attributes a forward may read (a state or
+    config object), else None."""
+    if type(value) in _NOT_OBJECTS or isinstance(value, _NO_OBJECT_TYPES):
+        return None
+    try:
+        d = object.__getattribute__(value, "__dict__")
+    except (AttributeError, TypeError):
+        return None
+    return d if type(d) is dict and len(d) <= 256 else None
+
+
+def _dicts_at(modules: list[nn.Module], role: _Role | None) -> _Dicts:
+    """A shallow copy of the ``__dict__`` of each of ``modules`` and of the plain objects they hold, two levels
+    down, the objects' tensors that ``role``'s learning call did not read kept weakly (NOTE [ Attributes other
+    code sets ])."""
+    out = [(sub.__dict__, sub.__dict__.copy()) for sub in modules]
+    seen: set[int] = set()
+    level = [d for d, _ in out]
+    for _ in range(2):
+        found = []
+        for d in level:
+            if _NOT_OBJECTS.issuperset(map(type, d.values())):  # no object in it (C code: the common case)
+                continue
+            for value in d.values():
+                od = _plain_object(value)
+                if od is not None and id(od) not in seen:
+                    seen.add(id(od))
+                    found.append(od)
+        out += [(od, _object_copy(od, role)) for od in found]
+        level = found
+    return tuple(out)
+
+
+class _Weak:
+    """A tensor a call keeps weakly: one its member's learning call did not read (NOTE [ Attributes other code
+    sets ])."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.ref = weakref.ref(t)
+
+
+class _Gone:
+    """Bound for a replay in place of a tensor kept weakly that died since the call: any use raises."""
+
+    def __init__(self, name: str) -> None:
+        self._remat_name = name
+
+    def _refuse(self) -> RematError:
+        name = object.__getattribute__(self, "_remat_name")
+        return RematError(
+            f"apply: a recomputation read the tensor attribute {name!r} of a plain object a block's modules hold, "
+            "which other code rebound between the block's call and the backward; remat keeps such a tensor for the "
+            "recomputation only where the block's first call read it (not a cache the block only writes), and "
+            "this one is gone; read it on every call, pass it to the block as an argument, or keep this block "
+            "(a plan that does not recompute it)"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        raise object.__getattribute__(self, "_refuse")()
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        gone = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, _Gone))
+        raise gone._refuse()
+
+
+def _object_copy(d: dict[str, Any], role: _Role | None) -> dict[str, Any]:
+    """A plain object's ``__dict__`` as a call keeps it: the tensors ``role``'s learning call did not read there
+    (a cache the block writes) weakly, so as not to hold them to the backward; those it read (a gain, an
+    average) and those set since its learning call (not known) strongly."""
+    copy = d.copy()
+    reads = role.object_reads if role is not None else None
+    if reads is None:
+        return copy
+    key, names = id(d), role.object_names  # type: ignore[union-attr]
+    for name, value in d.items():
+        if isinstance(value, torch.Tensor) and (key, name) not in reads and (key, name) in names:
+            copy[name] = _Weak(value)
+    return copy
+
+
+def _learn_object_reads(role: _Role, dicts: _Dicts, modules: int) -> None:
+    """After a learning call: the tensors of plain objects it read, by (object, name) (``_object_copy``)."""
+    ids = {id(t) for t in (ref() for ref in role.reads) if t is not None}
+    objects = dicts[modules:]
+    role.object_names = frozenset((id(d), name) for d, then in objects for name in then)
+    role.object_reads = frozenset(
+        (id(d), name) for d, then in objects for name, value in then.items() if id(value) in ids
+    )
+
+
+class _DictsAs:
+    """Sets the attributes recorded by ``_dicts_at`` as they were at the call for a replay, and the current
+    ones back after (NOTE [ Attributes other code sets ], NOTE [ Context managers of a replay ])."""
+
+    __slots__ = ("recorded", "modules", "now")
+
+    def __init__(self, recorded: _Dicts, modules: int) -> None:
+        # ``modules``: how many of ``recorded`` are modules' (``_BindingsKept`` puts back what a replay binds there).
+        self.recorded, self.modules = recorded, modules
+        self.now: list[tuple[dict[str, Any], dict[str, Any]]] = []
+
+    def __enter__(self) -> None:
+        for k, (d, then) in enumerate(self.recorded):
+            if _same_items(d, then):
+                if k >= self.modules:  # an object's: what the replay binds there is put back too
+                    self.now.append((d, then))
+                continue
+            self.now.append((d, d.copy()))
+            for name in [n for n in d if n not in then and n not in _OWN_ENTRIES]:
+                del d[name]
+            for name, value in then.items():
+                if type(value) is _Weak:
+                    t = value.ref()
+                    value = t if t is not None else _Gone(name)
+                if name not in _OWN_ENTRIES and d.get(name, _MISSING) is not value:
+                    d[name] = value
+
+    def __exit__(self, *exc: object) -> None:
+        for d, was in self.now:
+            if _same_items(d, was):
+                continue
+            for name in [n for n in d if n not in was]:
+                del d[name]
+            for name, value in was.items():
+                if d.get(name, _MISSING) is not value:
+                    d[name] = value
+
+
+def _check_tree(name: str, named: list[tuple[str, nn.Module]], now: _Tree) -> None:
+    """Refuses a replay of module ``name`` if a sub-module it had at the call was replaced or removed since
+    (NOTE [ Attributes other code sets ])."""
+    if named == now.named:  # C code: the names, and the modules by identity (nn.Module has no __eq__ of its own)
+        return
+    ids = {id(m) for _, m in now.named}
+    gone = [(sub_name, m) for sub_name, m in named if id(m) not in ids]
+    if gone:
+        sub_name, m = gone[0]
+        raise RematError(
+            f"apply: the sub-module {sub_name!r} ({type(m).__name__}) of module {name!r} was replaced or removed "
+            "after the module's call, before the backward, so its recomputation would run another module than "
+            "the forward did; replace or remove sub-modules after the backward (or keep both and choose with a "
+            "flag attribute), or keep this block (a plan that does not recompute it)"
+        )
+
+
 _MODULE_DICTS = frozenset(vars(nn.Module()))  # _parameters, _buffers, _modules, the hook dicts
 
 
@@ -1786,6 +2022,7 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         module.unshard()  # type: ignore[operator]  # FSDP2: its parameters were resharded after the forward
     swapped_buffers = _swap_buffers(call.buffer_slots)  # torch.func.functional_call's buffers, as at the call
     tree = _Tree(module)  # NOTE [ One walk per call ]
+    _check_tree(role.name, call.named, tree)  # NOTE [ Attributes other code sets ]
     buffers = tree.named_buffers()
     # NOTE [ Buffers of a replay under create_graph ]
     state_slots = _state_in_slots(tree, buffers, call.state) if call.state and _LOCAL.create_graph else []
@@ -1804,6 +2041,7 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
                     buffers[name].copy_(value)
         with (
             _BindingsKept(tree),
+            _DictsAs(call.dicts, len(call.named)),
             _AutocastAs(call.autocast),
             _FlagsAs(call.flags),
             _AttrsAs(call.modes + call.attrs),
@@ -2213,6 +2451,7 @@ def _guarded_recompute(
     modes = [(m, m.training) for m in tree.modules()]
     grads = [(p, p.requires_grad) for p in tree.parameters()]
     plain = tuple(a for a in _plain_attrs(module, role) if a[1] != "training")  # at the call
+    dicts = tree.dicts(role)  # NOTE [ Attributes other code sets ]
     hooks = _hooks_at(tree)
     params = _param_refs(module, role)  # NOTE [ Parameters under recomputation ]: the forward's tensors
     buffer_slots = _buffer_refs(tree)
@@ -2256,10 +2495,12 @@ def _guarded_recompute(
         swapped = _swap_params(role.name, params)
         swapped_buffers = _swap_buffers(buffer_slots)
         now = _Tree(module)  # NOTE [ One walk per call ]: the recomputation's own walk
+        _check_tree(role.name, tree.named, now)
         try:
             with (
                 torch.inference_mode(False),
                 _BindingsKept(now),
+                _DictsAs(dicts, len(tree.named)),
                 _FlagsAs(flags),
                 _AttrsAs(plain + (_attrs_changed(attrs) if learning else attrs)),
                 _HooksAs(now, hooks),
@@ -2474,6 +2715,8 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
     )
     py_before = _py_states() if not role.learned else None
     attrs = _attr_values(module, role)
+    own = list(module.modules()) if not role.learned else []
+    learning_dicts = _dicts_at(own, role) if not role.learned else ()  # NOTE [ Attributes other code sets ]
     saved: list[Saved] = []  # NOTE [ Saved tensors edited before the backward ] in remat.core.versions
     with watch, higher_order_refused(f"apply: module {role.name!r}", _HOP_FIX):
         out = run_selective(
@@ -2509,6 +2752,7 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
             )
         role.learned, role.learned_training = True, module.training
         role.reads = watch.all_reads
+        _learn_object_reads(role, learning_dicts, len(own))
         updated = [t for t in (ref() for ref in watch.updated.values()) if t is not None]
         if updated:
             role.learned = False  # refused on every call, not only the first
@@ -2644,6 +2888,7 @@ def _invoke(
     if watch is not None:
         role.generators = tuple(gen for gen, _ in watch.found.values())
         role.reads = watch.all_reads
+        _learn_object_reads(role, tree.dicts(role), len(tree.named))  # NOTE [ Attributes other code sets ]
         role.fills_saved = role.fills_saved or watch.fills_made
         updated = [t for t in (ref() for ref in watch.updated.values()) if t is not None]
         if updated:
@@ -2783,6 +3028,9 @@ class _Dispatch:
             if _compilable(role) and not _REFUSED_UNDER_COMPILE[0](role.allow_hooks):
                 return _compiled(self.module, role, args, kwargs)
         return _EAGER[0](self.module, args, kwargs)
+
+
+_NOT_OBJECTS.add(_Dispatch)  # NOTE [ Attributes other code sets ]: remat's instance forward
 
 
 # NOTE [ Under torch.compile ]
