@@ -261,6 +261,9 @@ class _Role:
     # there at that call: each later call keeps the others weakly (NOTE [ Attributes other code sets ]).
     object_reads: frozenset[tuple[int, str]] | None = None
     object_names: frozenset[tuple[int, str]] = frozenset()
+    # The keys of its forward (pre-)hooks remat has seen: those at install and those it watches since (NOTE
+    # [ Hooks added after apply ]).
+    hook_keys: set[int] = field(default_factory=set)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -3193,6 +3196,7 @@ def install(
             role.check_params = not sharded
             role.allow_hooks = allow_hooks
             role.root = weakref.ref(model)
+            role.hook_keys = {*module._forward_pre_hooks, *module._forward_hooks}  # NOTE [ Hooks added after apply ]
             _set_role(module, role)
             touched.append(module)
     except BaseException:
@@ -3287,6 +3291,102 @@ def attach(
         tag, tuple(ops), tuple(map(tuple, names)), allow_stateful, tuple(touched), allow_hooks
     )
     model.register_forward_hook(_check_members)
+    model.register_forward_pre_hook(_watch_hooks)
+
+
+# NOTE [ Hooks added after apply ]
+# A forward hook that returns another tensor than the module's output (``o * 0.5``), or a pre-hook that returns
+# other inputs, puts a new tensor between two members of a segment: the next member's input is no longer the
+# previous member's output, which the segment replays (a link, NOTE [ Spans ]), but a tensor it must hold.
+# The profile measures that for the hooks registered when it runs; registered after apply, the plan was made
+# without it: gradients exact, but a multi-block segment held each such input, 1.07-1.09x the plan's
+# prediction and budget, silently (helper-119). A hook that returns nothing or what it was given (a logging
+# hook, FSDP2's hooks without mixed precision, remat's own timeline) changes nothing, so presence is not the
+# test: before each forward of the model, a hook new since apply on a module where it could break a link
+# (a forward hook where a later member of a span may take the output, a pre-hook where the module's inputs
+# may be an earlier member's output) is wrapped in a check of what it returns (_CheckedHook), and one that
+# returns other tensors raises there, before any backward. Hooks at install are the profile's and are left
+# alone; the wrappers are taken off again by remat.remove. Per forward, a module with no hooks costs two
+# dict tests.
+
+
+class _CheckedHook:
+    """A forward (pre-)hook registered on a planned module after apply, run as it is but refused where it
+    returns other tensors than it was given (NOTE [ Hooks added after apply ])."""
+
+    __slots__ = ("__wrapped__", "name", "pre")
+
+    def __init__(self, hook: Callable[..., Any], name: str, pre: bool) -> None:
+        self.__wrapped__, self.name, self.pre = hook, name, pre
+
+    def __call__(self, *args: Any) -> Any:
+        result = self.__wrapped__(*args)
+        if result is None:
+            return None
+        given = args[1:] if self.pre else args[-1]  # (args[, kwargs]) of a pre-hook, the output of a forward hook
+        # Module.__call__ takes a pre-hook's lone value (no kwargs) as the only argument.
+        taken = (result,) if self.pre and len(args) == 2 and not isinstance(result, tuple) else result
+        if self.pre and len(args) == 2:
+            given = given[0]
+        if _tensor_ids(taken) == _tensor_ids(given):
+            return result
+        kind = "forward pre-hook" if self.pre else "forward hook"
+        what = "inputs than the module was called with" if self.pre else "tensors than the module returned"
+        raise RematError(
+            f"apply: module {self.name!r} got a {kind} after remat.apply "
+            f"({getattr(self.__wrapped__, '__qualname__', type(self.__wrapped__).__name__)}) that returns other "
+            f"{what}; the plan recomputes it in one segment with "
+            f"{'the module whose output it takes' if self.pre else 'a later module that takes its output'}, "
+            "a link the plan's profile measured without the hook (the segment would hold the new tensor, above "
+            "the plan's budget); register the hook before remat.profile and plan again (the "
+            "profile measures what it changes), or remat.remove(model) while it is registered"
+        )
+
+
+def _tensor_ids(tree: Any) -> list[int]:
+    return [id(t) for t in output_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _link_positions(role: _Role) -> tuple[bool, bool]:
+    """Whether a later member of one of ``role``'s spans may take the module's output, and whether its inputs
+    may be an earlier member's output."""
+    return any(pos < span.size - 1 for span, pos in role.spans), any(pos > 0 for span, pos in role.spans)
+
+
+def _watch_hooks(model: nn.Module, _args: Any) -> None:
+    """Before each forward of a model with a plan attached: wrap the forward (pre-)hooks registered on its
+    planned modules since apply where they could break a link (NOTE [ Hooks added after apply ])."""
+    if torch.compiler.is_compiling():
+        return
+    entry = model.__dict__.get(_APPLIED_ATTR)
+    if not isinstance(entry, Attached):
+        return
+    for module in entry.touched:
+        pre_hooks, hooks = module._forward_pre_hooks, module._forward_hooks
+        if not pre_hooks and not hooks:
+            continue
+        role = module.__dict__.get("_remat_role")
+        if role is None:
+            continue
+        known = role.hook_keys
+        if all(k in known for k in pre_hooks) and all(k in known for k in hooks):
+            continue
+        out_linked, in_linked = _link_positions(role)
+        for hook_dict, pre, linked in ((pre_hooks, True, in_linked), (hooks, False, out_linked)):
+            for key in [k for k in hook_dict if k not in known]:
+                known.add(key)
+                if linked and not isinstance(hook_dict[key], _CheckedHook):
+                    hook_dict[key] = _CheckedHook(hook_dict[key], role.name, pre)
+        known.intersection_update({*pre_hooks, *hooks})  # forget removed hooks
+
+
+def _unwatch_hooks(modules: Sequence[nn.Module]) -> None:
+    """Put back the hooks :func:`_watch_hooks` wrapped."""
+    for module in modules:
+        for hook_dict in (module._forward_pre_hooks, module._forward_hooks):
+            for key, hook in list(hook_dict.items()):
+                if isinstance(hook, _CheckedHook):
+                    hook_dict[key] = hook.__wrapped__
 
 
 def _check_members(model: nn.Module, _args: Any, _output: Any) -> None:
@@ -3347,9 +3447,12 @@ def detach(model: nn.Module) -> Any | None:
     host = holder(model)
     for key in [k for k, hook in host._forward_hooks.items() if hook is _check_members]:
         del host._forward_hooks[key]
+    for key in [k for k, hook in host._forward_pre_hooks.items() if hook is _watch_hooks]:
+        del host._forward_pre_hooks[key]
     entry = host.__dict__.pop(_APPLIED_ATTR, None)
     if not isinstance(entry, Attached):
         return None
+    _unwatch_hooks(entry.touched)
     uninstall(entry.touched)
     return entry.tag
 

@@ -661,6 +661,19 @@ def profile(
 # the safe side).
 
 
+# NOTE [ Held through the last block, freed as it returns ]
+# NOTE [ Alive after the call returns ] reads what the caller still holds at the first allocation after the
+# last block returns, which is right for the outputs the caller rebinds, not for what an earlier block left
+# alive through the whole of the last block's forward: autocast's cached weight casts under a region the
+# model enters itself (``with torch.autocast(...)`` around its loop of layers) are all freed as that region
+# exits, right after the last block, before the code allocates again. Read there, they were never pinned, so
+# a segment's no-save forward was charged none of them while the cache held every one until the region's
+# end: the smallest plan of 4 such layers (3 segments, then a kept block) peaked in the kept block's forward
+# at 185,792 B, predicted 164,928 B there (helper-124). So a block's own allocation other than its outputs,
+# alive at the last block's end, counts as pinned whenever the caller frees it (through the forward only
+# when that is before the loss); the last block's own, at their peak there anyway, as before.
+
+
 # NOTE [ Forward hooks run outside the block ]
 # A replay (and an op-level policy's recomputation) runs a member's own ``forward``, never its module hooks
 # (NOTE [ Spans ] in ``remat.core.runtime``): a forward hook of the model's (``relu(out) + x``, registered
@@ -803,7 +816,11 @@ def _pinned(
                     side_frees[owner].append((after, int(size), 0 if first else _rise(allocs, t_end, t_free)))
                 else:  # the code after that block allocates first: gone after the next block's peak
                     side_frees[owner].append((after + 1, int(size), 0))
-        if alive_at(t, t_free, t_after_end) and (ptr not in last_inputs or alive_at(t, t_free, t_loss)):
+        # NOTE [ Held through the last block, freed as it returns ]
+        through_last = owner + 1 < n and ptr not in outs[owner] and alive_at(t, t_free, t_end)
+        if (alive_at(t, t_free, t_after_end) or through_last) and (
+            ptr not in last_inputs or alive_at(t, t_free, t_loss)
+        ):
             # Alive at the end of the last block's forward: held at least through the chain's forward,
             # where its peak usually is (a list of hidden states freed when the model returns counts).
             # The last block's input is alive then anyway (the model's code still refers to it): it
