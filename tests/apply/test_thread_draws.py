@@ -63,9 +63,15 @@ def test_a_draw_of_another_thread_inside_a_forward_is_a_remat_error(one_segment:
         finally:
             b_done.set()
 
+    started: list[threading.Thread] = []
+
     def pause() -> None:
-        a[0].hook = None  # once: the replay must not start the other thread again
+        # Once: the replay runs the forward's Python again, with the attributes as at the call (NOTE
+        # [ Attributes other code sets ]), so it calls this hook again; it must not start the thread again.
+        if started:
+            return
         thread = threading.Thread(target=run_b)
+        started.append(thread)
         thread.start()
         b_done.wait(timeout=60)
 

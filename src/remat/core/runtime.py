@@ -253,6 +253,10 @@ class _Role:
     # Where its modules' plain attributes are, (sub-module, name), found on its first call: each call
     # records their values there (_plain_attrs), a few microseconds instead of a walk over every attribute.
     plain_names: tuple[tuple[nn.Module, str], ...] | None = None
+    # (id of one of its modules' __dict__, name) of the plain tensor attributes there -> whether the first call
+    # that found a tensor there read it (kept strongly) or not (a cache it only writes: kept weakly; NOTE
+    # [ Tensor attributes a block only writes ]).
+    tensor_reads: dict[tuple[int, str], bool] = field(default_factory=dict)
     # The tensors its learning call read that it neither made nor was given (a global, a tensor attribute
     # that is not a buffer), weakly: each call notes their versions (NOTE [ Saved tensors edited before the
     # backward ] in remat.core.versions).
@@ -271,6 +275,7 @@ class _Role:
         state["learned"], state["stateful"], state["norms"], state["generators"] = False, frozenset(), None, ()
         state["param_slots"], state["py_rng"], state["attrs"], state["plain_names"] = None, False, (), None
         state["root"], state["reads"], state["object_reads"], state["object_names"] = None, (), None, frozenset()
+        state["tensor_reads"] = {}
         return state
 
 
@@ -337,8 +342,8 @@ _MISSING = object()
 # tensors its own modules hold at the call (``_plain_attrs``), which other code may rebind before the
 # backward (the model's ``layer.extra = x.mean()`` after the call: every gradient off before). A tensor
 # so kept is held from the call to the segment's backward, where the plain step may free it when it is
-# rebound (a cache of the block's last output, ``self.last = y``: one such tensor per recomputed call,
-# which the profile does not charge; an attribute set to ``None`` in ``__init__`` was kept so before).
+# rebound; a cache the block only writes (``self.last = y``), which was so held once per recomputed call
+# and charged nowhere, is kept weakly: NOTE [ Tensor attributes a block only writes ].
 # An attribute first set after the member's first call, by it or by other code, and the attributes of
 # objects that are not modules (``self.state.gain``): NOTE [ Attributes other code sets ].
 _OTHER = object()  # a learning call's entry for an attribute whose value it does not keep (a module's anchor)
@@ -371,12 +376,21 @@ def _attr_values(module: nn.Module, role: _Role) -> tuple[tuple[nn.Module, str, 
     """The values of ``role.attrs``; on the learning call, every attribute of ``module``'s modules (its value
     where a replay sets it back, else ``_OTHER``: NOTE [ Attributes a forward sets ])."""
     if role.learned:
-        return tuple((sub, name, _at_call(sub.__dict__.get(name, _MISSING))) for sub, name in role.attrs)
+        return tuple((sub, name, _kept_at_call(sub, name, role)) for sub, name in role.attrs)
     return tuple(
         (sub, name, _at_call(value) if _kept_value(name, value) else _OTHER)
         for sub in module.modules()
         for name, value in vars(sub).items()
     )
+
+
+def _kept_at_call(sub: nn.Module, name: str, role: _Role) -> Any:
+    """The value of ``sub.name`` as a later call keeps it: a tensor the block only writes weakly (NOTE [ Tensor
+    attributes a block only writes ])."""
+    value = sub.__dict__.get(name, _MISSING)
+    if type(value) is torch.Tensor and role.tensor_reads.get((id(sub.__dict__), name)) is False:
+        return _Weak(value)
+    return _at_call(value)
 
 
 def _same_value(now: Any, value: Any) -> bool:
@@ -437,6 +451,8 @@ class _AttrsAs:
     def __enter__(self) -> None:
         self.now = [(sub, name, sub.__dict__.get(name, _MISSING)) for sub, name, _ in self.recorded]
         for sub, name, value in self.recorded:
+            if type(value) is _Weak:  # NOTE [ Tensor attributes a block only writes ]
+                value = value.get(name, _OF_MODULE)
             if value is _MISSING:
                 sub.__dict__.pop(name, None)
             else:
@@ -542,18 +558,21 @@ _GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, f"_global{name}", None) f
 class _Tree:
     """The modules of one member at one call, walked once (NOTE [ One walk per call ])."""
 
-    __slots__ = ("module", "named", "_dicts")
+    __slots__ = ("module", "named", "_dicts", "pending")
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.named = list(module.named_modules())
         self._dicts: _Dicts | None = None
+        # Tensor attributes of its modules no call of its role has decided on yet, by (id of the __dict__, name)
+        # (NOTE [ Tensor attributes a block only writes ]); set with ``_dicts``.
+        self.pending: dict[tuple[int, str], torch.Tensor] = {}
 
     def dicts(self, role: _Role | None) -> _Dicts:
         """The attributes of its modules and of the plain objects they hold at this moment, once per call
         (NOTE [ Attributes other code sets ])."""
         if self._dicts is None:
-            self._dicts = _dicts_at(self.modules(), role)
+            self._dicts = _dicts_at(self.modules(), role, self.pending)
         return self._dicts
 
     def modules(self) -> list[nn.Module]:
@@ -1825,15 +1844,16 @@ def _same_items(now: dict[Any, Any], before: dict[Any, Any]) -> bool:
 # back after (``_DictsAs``). What the replay binds there is put back too: a counter on a shared object
 # counts the forward's calls, as in the plain model (count replays in an object without a ``__dict__``),
 # and a tensor the replay binds there does not keep its graph. The values are references: a tensor
-# rebound since stays alive to the segment's backward, where the plain step may free it. On a module that
-# is NOTE [ Attributes a forward sets ]'s trade-off. On a plain object, where the blocks of a model often
-# leave a cache (``self.state.last = h``, rebound by the next block), it cost 1.85x the prediction under
-# ``remat.full()``: so there the tensors the member's learning call did not read are kept weakly
-# (``_object_copy``), and one that died by the replay is bound as a stand-in that refuses any use
-# (``_Gone``): exact or refused, never a later value. A sub-module replaced or removed since the call
-# (``layer.act = nn.Tanh()``) is refused at the replay (``_check_tree``): its recomputation would run
-# another module. Not seen: a list or dict of a plain object edited in place (a module's are:
-# ``_plain_attrs``), objects without a ``__dict__`` (``__slots__``), and globals.
+# rebound since stays alive to the segment's backward, where the plain step may free it. On a plain
+# object, where the blocks of a model often leave a cache (``self.state.last = h``, rebound by the next
+# block), it cost 1.85x the prediction under ``remat.full()``: so there the tensors the member's learning
+# call did not read are kept weakly (``_object_copy``), and one that died by the replay is bound as a
+# stand-in that refuses any use (``_Gone``): exact or refused, never a later value. Tensors of a module,
+# and those set since the learning call: NOTE [ Tensor attributes a block only writes ]. A sub-module
+# replaced or removed since the call (``layer.act = nn.Tanh()``) is refused at the replay
+# (``_check_tree``): its recomputation would run another module. Not seen: a list or dict of a plain
+# object edited in place (a module's are: ``_plain_attrs``), objects without a ``__dict__``
+# (``__slots__``), and globals.
 _Dicts = tuple[tuple[dict[str, Any], dict[str, Any]], ...]  # (an object's __dict__, its copy at the call)
 
 # Values of a module's __dict__ that are no plain object holding attributes, by type (the common ones, a
@@ -1851,6 +1871,8 @@ _NOT_OBJECTS: set[type] = {
     _Role,
     *_PRIMITIVES,
 }
+# Nor a plain tensor (NOTE [ Tensor attributes a block only writes ]); remat's ``_Dispatch`` added with it below.
+_PLAIN_TYPES: set[type] = _NOT_OBJECTS - {torch.Tensor}
 _NO_OBJECT_TYPES = (
     nn.Module,
     torch.Tensor,
@@ -1879,52 +1901,102 @@ def _plain_object(value: Any) -> dict[str, Any] | None:
     return d if type(d) is dict and len(d) <= 256 else None
 
 
-def _dicts_at(modules: list[nn.Module], role: _Role | None) -> _Dicts:
+def _dicts_at(
+    modules: list[nn.Module], role: _Role | None, pending: dict[tuple[int, str], torch.Tensor] | None = None
+) -> _Dicts:
     """A shallow copy of the ``__dict__`` of each of ``modules`` and of the plain objects they hold, two levels
     down, the objects' tensors that ``role``'s learning call did not read kept weakly (NOTE [ Attributes other
-    code sets ])."""
-    out = [(sub.__dict__, sub.__dict__.copy()) for sub in modules]
+    code sets ]), and so the modules' tensors that no call of ``role`` read (NOTE [ Tensor attributes a block
+    only writes ]): those not decided yet go to ``pending``."""
+    out: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    level = []
+    for sub in modules:
+        d = sub.__dict__
+        if _PLAIN_TYPES.issuperset(map(type, d.values())):  # neither a plain tensor nor an object (C code)
+            out.append((d, d.copy()))
+            continue
+        types = set(map(type, d.values()))
+        out.append((d, _module_copy(d, role, pending) if torch.Tensor in types else d.copy()))
+        if not _NOT_OBJECTS.issuperset(types):
+            level.append(d)
     seen: set[int] = set()
-    level = [d for d, _ in out]
-    for _ in range(2):
+    for depth in range(2):
         found = []
         for d in level:
-            if _NOT_OBJECTS.issuperset(map(type, d.values())):  # no object in it (C code: the common case)
+            if depth and _NOT_OBJECTS.issuperset(map(type, d.values())):  # no object in it (C code)
                 continue
             for value in d.values():
                 od = _plain_object(value)
                 if od is not None and id(od) not in seen:
                     seen.add(id(od))
                     found.append(od)
-        out += [(od, _object_copy(od, role)) for od in found]
+        out += [(od, _object_copy(od, role, pending)) for od in found]
         level = found
     return tuple(out)
 
 
+# NOTE [ Tensor attributes a block only writes ]
+# NOTE [ Attributes a forward sets ] and [ Attributes other code sets ] keep per call the tensors a
+# member's modules (and the plain objects they hold) bind at the call, for the replay. A cache the block
+# only writes (``self.last_h = fc1(x)``, never read) was so held by every recomputed call from the call to
+# its segment's backward, where the plain step frees it at the call, when the forward rebinds it: one
+# intermediate per recomputed block that the profile does not charge (helper-118: 6 x 262,144 B under
+# ``remat.full()`` on a 6-block MLP, all 6 of the previous step's caches alive after the forward; the
+# CPU profiler of ``remat.measure`` misses it, since it sees no free of a tensor allocated before the
+# step; with every free seen the step peaked 1,572,864 B higher than without the hold; on CUDA
+# ``max_memory_allocated`` sees it). So such a tensor is kept only as the first call that finds it decides:
+# the learning call from its read set (``_Role.reads``), a later one, where a name was absent or held no
+# tensor at the learning call (a cache the forward creates, an average it creates lazily), under
+# ``_ReadWatch``, a dispatch mode that notes whether any op takes it (one call per name and role; the
+# tensor is kept strongly for that call). Read: kept strongly by every later call (an average ``self.ema
+# = 0.9 * self.ema + ...`` stays exact). Not read: kept weakly (``_Weak``): it is the very tensor the call
+# saw while anything else holds it, and one that died by the replay is bound as ``_Gone``, which refuses
+# any use with a RematError (a block that reads it only on some calls): exact or refused, never another
+# value. Charging the hold in the profile instead would have needed a per-block term through the profile,
+# the chain, the solver's tables and the simulation, for memory that keeping it weakly does not use. Cost:
+# none where no module holds a plain tensor (the type scan of each module's ``__dict__`` that looked for
+# plain objects tells it, ``_PLAIN_TYPES``); else a loop over that ``__dict__`` per call (``_module_copy``).
 class _Weak:
     """A tensor a call keeps weakly: one its member's learning call did not read (NOTE [ Attributes other code
-    sets ])."""
+    sets ], NOTE [ Tensor attributes a block only writes ])."""
 
     __slots__ = ("ref",)
 
     def __init__(self, t: torch.Tensor) -> None:
         self.ref = weakref.ref(t)
 
+    def get(self, name: str, owner: str) -> Any:
+        """The tensor, or a stand-in that refuses any use if it died."""
+        t = self.ref()
+        return t if t is not None else _Gone(name, owner)
+
+
+_OF_OBJECT = "a plain object a block's modules hold"
+_OF_MODULE = "a module of a block"
+
 
 class _Gone:
-    """Bound for a replay in place of a tensor kept weakly that died since the call: any use raises."""
+    """Bound for a replay in place of a tensor kept weakly that died since the call: any use raises. It passes
+    ``isinstance(value, torch.Tensor)`` as the tensor did: a read behind that test (``if isinstance(self.prev,
+    torch.Tensor): h = h + self.prev.mean()``) was skipped by the replay, gradients off silently (11 of 36,
+    ``repro_isinstance_gate.py``), where it must be refused."""
 
-    def __init__(self, name: str) -> None:
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        return torch.Tensor
+
+    def __init__(self, name: str, owner: str = _OF_OBJECT) -> None:
         self._remat_name = name
+        self._remat_owner = owner
 
     def _refuse(self) -> RematError:
         name = object.__getattribute__(self, "_remat_name")
+        owner = object.__getattribute__(self, "_remat_owner")
         return RematError(
-            f"apply: a recomputation read the tensor attribute {name!r} of a plain object a block's modules hold, "
-            "which other code rebound between the block's call and the backward; remat keeps such a tensor for the "
-            "recomputation only where the block's first call read it (not a cache the block only writes), and "
-            "this one is gone; read it on every call, pass it to the block as an argument, or keep this block "
-            "(a plan that does not recompute it)"
+            f"apply: a recomputation read the tensor attribute {name!r} of {owner}, which was rebound between the "
+            "block's call and the backward; remat keeps such a tensor for the recomputation only where the first "
+            "call that found it read it (not a cache the block only writes), and this one is gone; read it on every "
+            "call, pass it to the block as an argument, or keep this block (a plan that does not recompute it)"
         )
 
     def __getattr__(self, name: str) -> Any:
@@ -1936,18 +2008,91 @@ class _Gone:
         raise gone._refuse()
 
 
-def _object_copy(d: dict[str, Any], role: _Role | None) -> dict[str, Any]:
+def _refusing(self: _Gone, *args: Any) -> Any:
+    raise object.__getattribute__(self, "_refuse")()
+
+
+# Python looks these up on the type, not through __getattr__: a tensor's truth value, length, items and
+# arithmetic with a Python number (``if self.flag:``, ``self.prev * 0.5``) are refused too, not answered by
+# object's defaults (truth: always True) or a TypeError.
+for _op in (
+    *("__bool__", "__len__", "__iter__", "__getitem__", "__setitem__", "__float__", "__int__", "__index__"),
+    *("__neg__", "__pos__", "__abs__", "__invert__", "__lt__", "__le__", "__gt__", "__ge__"),
+    *(
+        f"__{p}{op}__"
+        for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul")
+        for p in ("", "r", "i")
+    ),
+):
+    setattr(_Gone, _op, _refusing)
+
+
+def _module_copy(
+    d: dict[str, Any], role: _Role | None, pending: dict[tuple[int, str], torch.Tensor] | None
+) -> dict[str, Any]:
+    """A module's ``__dict__`` as a call keeps it: its plain tensors that a call of ``role`` found unread (a
+    cache the block only writes) weakly; those not decided yet noted in ``pending`` (NOTE [ Tensor attributes a
+    block only writes ])."""
+    copy = d.copy()
+    if role is None or pending is None:
+        return copy
+    key, reads = id(d), role.tensor_reads
+    for name, value in d.items():
+        if type(value) is torch.Tensor:
+            read = reads.get((key, name))
+            if read is None:
+                pending[(key, name)] = value
+            elif not read:
+                copy[name] = _Weak(value)
+    return copy
+
+
+def _learn_tensor_reads(role: _Role, pending: dict[tuple[int, str], torch.Tensor], read: set[int]) -> None:
+    """After a call that found tensor attributes not decided on: whether it read each (ids in ``read``)."""
+    for key, t in pending.items():
+        role.tensor_reads.setdefault(key, id(t) in read)
+
+
+class _ReadWatch(TorchDispatchMode):
+    """Notes which of ``targets`` (by id) an op of the call takes (NOTE [ Tensor attributes a block only writes ])."""
+
+    def __init__(self, targets: dict[tuple[int, str], torch.Tensor]) -> None:
+        super().__init__()
+        self.targets = {id(t) for t in targets.values()}
+        self.read: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for a in tree_leaves((args, kwargs)):
+            if id(a) in self.targets:
+                self.read.add(id(a))
+        return func(*args, **kwargs)
+
+
+def _object_copy(
+    d: dict[str, Any], role: _Role | None, pending: dict[tuple[int, str], torch.Tensor] | None
+) -> dict[str, Any]:
     """A plain object's ``__dict__`` as a call keeps it: the tensors ``role``'s learning call did not read there
     (a cache the block writes) weakly, so as not to hold them to the backward; those it read (a gain, an
-    average) and those set since its learning call (not known) strongly."""
+    average) strongly; those set since its learning call as the first call that found them decides (NOTE
+    [ Tensor attributes a block only writes ]: ``pending`` until then, and kept strongly)."""
     copy = d.copy()
     reads = role.object_reads if role is not None else None
     if reads is None:
         return copy
     key, names = id(d), role.object_names  # type: ignore[union-attr]
     for name, value in d.items():
-        if isinstance(value, torch.Tensor) and (key, name) not in reads and (key, name) in names:
-            copy[name] = _Weak(value)
+        if isinstance(value, torch.Tensor):
+            if (key, name) in names:
+                if (key, name) not in reads:
+                    copy[name] = _Weak(value)
+                continue
+            read = role.tensor_reads.get((key, name))  # type: ignore[union-attr]
+            if read is None:
+                if pending is not None:
+                    pending[(key, name)] = value
+            elif not read:
+                copy[name] = _Weak(value)
     return copy
 
 
@@ -1983,8 +2128,7 @@ class _DictsAs:
                 del d[name]
             for name, value in then.items():
                 if type(value) is _Weak:
-                    t = value.ref()
-                    value = t if t is not None else _Gone(name)
+                    value = value.get(name, _OF_OBJECT if k >= self.modules else _OF_MODULE)
                 if name not in _OWN_ENTRIES and d.get(name, _MISSING) is not value:
                     d[name] = value
 
@@ -2441,7 +2585,11 @@ _SAC_ERRORS = ("backward an extra time", "not found in storage")
 
 
 def _guarded_recompute(
-    module: nn.Module, role: _Role, attrs: tuple[tuple[nn.Module, str, Any], ...], saved: list[Saved]
+    module: nn.Module,
+    role: _Role,
+    attrs: tuple[tuple[nn.Module, str, Any], ...],
+    saved: list[Saved],
+    pending: dict[tuple[int, str], torch.Tensor],
 ) -> Callable[..., Any]:
     """The block's forward for :func:`run_selective`: in the recomputation, first checks that no sub-module
     changed train/eval mode and no parameter ``requires_grad`` since the forward (either changes which ops
@@ -2455,6 +2603,7 @@ def _guarded_recompute(
     grads = [(p, p.requires_grad) for p in tree.parameters()]
     plain = tuple(a for a in _plain_attrs(module, role) if a[1] != "training")  # at the call
     dicts = tree.dicts(role)  # NOTE [ Attributes other code sets ]
+    pending.update(tree.pending)  # NOTE [ Tensor attributes a block only writes ]: the caller watches the call
     hooks = _hooks_at(tree)
     params = _param_refs(module, role)  # NOTE [ Parameters under recomputation ]: the forward's tensors
     buffer_slots = _buffer_refs(tree)
@@ -2721,10 +2870,13 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
     own = list(module.modules()) if not role.learned else []
     learning_dicts = _dicts_at(own, role) if not role.learned else ()  # NOTE [ Attributes other code sets ]
     saved: list[Saved] = []  # NOTE [ Saved tensors edited before the backward ] in remat.core.versions
-    with watch, higher_order_refused(f"apply: module {role.name!r}", _HOP_FIX):
-        out = run_selective(
-            _guarded_recompute(module, role, attrs, saved), args, kwargs, role.policy, f"module {role.name!r}"
-        )
+    pending: dict[tuple[int, str], torch.Tensor] = {}  # NOTE [ Tensor attributes a block only writes ]
+    forward = _guarded_recompute(module, role, attrs, saved, pending)
+    read_watch = _ReadWatch(pending) if pending and role.learned else None
+    with watch, read_watch or contextlib.nullcontext(), higher_order_refused(f"apply: module {role.name!r}", _HOP_FIX):
+        out = run_selective(forward, args, kwargs, role.policy, f"module {role.name!r}")
+    if read_watch is not None:
+        _learn_tensor_reads(role, pending, read_watch.read)
     if not role.learned:
         role.attrs = tuple((sub, name) for sub, name, _ in _attrs_changed(attrs))
     if py_before is not None and _py_drew(py_before):
@@ -2756,6 +2908,7 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
         role.learned, role.learned_training = True, module.training
         role.reads = watch.all_reads
         _learn_object_reads(role, learning_dicts, len(own))
+        _learn_tensor_reads(role, pending, {id(t) for t in (ref() for ref in role.reads) if t is not None})
         updated = [t for t in (ref() for ref in watch.updated.values()) if t is not None]
         if updated:
             role.learned = False  # refused on every call, not only the first
@@ -2848,6 +3001,7 @@ def _invoke(
         sums = _param_sums(params) if learning else []
         py_before = _py_states() if not role.learned or role.py_rng else None  # 50 us: learned on the first call
         watch = GeneratorWatch(_known(module, flat), module.buffers()) if not role.learned else None
+        read_watch: _ReadWatch | None = None
         mark = sequence_mark()
         with contextlib.ExitStack() as stack:
             recorded: list[tuple[_Frame, int]] = []
@@ -2871,6 +3025,8 @@ def _invoke(
             if watch is not None:
                 stack.enter_context(higher_order_refused(f"apply: module {role.name!r}", _HOP_FIX))
                 stack.enter_context(watch)
+            elif tree.pending:  # NOTE [ Tensor attributes a block only writes ]
+                read_watch = stack.enter_context(_ReadWatch(tree.pending))
             out = _run(module, role, args, kwargs, replay)
     finally:
         overlap.exit()
@@ -2892,11 +3048,14 @@ def _invoke(
         role.generators = tuple(gen for gen, _ in watch.found.values())
         role.reads = watch.all_reads
         _learn_object_reads(role, tree.dicts(role), len(tree.named))  # NOTE [ Attributes other code sets ]
+        _learn_tensor_reads(role, tree.pending, {id(t) for t in (ref() for ref in role.reads) if t is not None})
         role.fills_saved = role.fills_saved or watch.fills_made
         updated = [t for t in (ref() for ref in watch.updated.values()) if t is not None]
         if updated:
             role.learned = False  # refused on every call, not only the first
             raise _updated_error(role.name, updated[0])
+    elif read_watch is not None:
+        _learn_tensor_reads(role, tree.pending, read_watch.read)  # NOTE [ Tensor attributes a block only writes ]
     reads = _note_reads(role)
     # What the call could return without making it, for its outputs with no autograd node (made_since).
     outs = output_leaves(out)
@@ -3034,6 +3193,7 @@ class _Dispatch:
 
 
 _NOT_OBJECTS.add(_Dispatch)  # NOTE [ Attributes other code sets ]: remat's instance forward
+_PLAIN_TYPES.add(_Dispatch)
 
 
 # NOTE [ Under torch.compile ]
