@@ -1797,14 +1797,7 @@ class _BindingsKept:
 
     def __exit__(self, *exc: object) -> None:
         for sub, before in self.bound:
-            now = sub.__dict__
-            if _same_items(now, before):
-                continue
-            for name in [n for n in now if n not in before]:
-                del now[name]
-            for name, value in before.items():
-                if now.get(name, _MISSING) is not value:
-                    now[name] = value
+            _restore_entries(sub.__dict__, before)
         for d, held in self.dicts:
             if not _same_items(d, held):
                 d.clear()
@@ -2134,13 +2127,18 @@ class _DictsAs:
 
     def __exit__(self, *exc: object) -> None:
         for d, was in self.now:
-            if _same_items(d, was):
-                continue
-            for name in [n for n in d if n not in was]:
-                del d[name]
-            for name, value in was.items():
-                if d.get(name, _MISSING) is not value:
-                    d[name] = value
+            _restore_entries(d, was)
+
+
+def _restore_entries(d: dict[str, Any], was: dict[str, Any]) -> None:
+    """Make ``d`` hold exactly the entries of ``was`` (the same objects), where it does not already."""
+    if _same_items(d, was):
+        return
+    for name in [n for n in d if n not in was]:
+        del d[name]
+    for name, value in was.items():
+        if d.get(name, _MISSING) is not value:
+            d[name] = value
 
 
 def _check_tree(name: str, named: list[tuple[str, nn.Module]], now: _Tree) -> None:
