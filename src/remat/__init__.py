@@ -24,6 +24,7 @@ from remat.errors import (
     MissingExtraError,
     PlanMismatchError,
     RematError,
+    RematWarning,
 )
 from remat.measure import GradientCheck, Measurement, measure
 from remat.measure.timeline import Timeline, timeline
@@ -73,6 +74,7 @@ __all__ = [
     "BudgetInfeasibleError",
     "PlanMismatchError",
     "MissingExtraError",
+    "RematWarning",
     *STRATEGIES,  # one constructor per registered strategy, imported above under the same name
     "accumulate",
     "autocast_step",

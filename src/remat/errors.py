@@ -19,6 +19,7 @@ __all__ = [
     "BudgetInfeasibleError",
     "PlanMismatchError",
     "MissingExtraError",
+    "RematWarning",
 ]
 
 
@@ -50,6 +51,14 @@ class PlanMismatchError(RematError):
 
 class MissingExtraError(RematError):
     """An optional dependency (an "extra") is not installed."""
+
+
+class RematWarning(UserWarning):
+    """Something remat cannot refuse but will not hold to: a planned model trained on a larger batch than its
+    plan was profiled on, whose step can then peak above the plan's budget (gradients stay exact).
+
+    Filter it as any warning: ``warnings.filterwarnings("error", category=remat.RematWarning)``.
+    """
 
 
 @contextlib.contextmanager

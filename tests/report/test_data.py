@@ -48,10 +48,12 @@ def test_the_heatmap_plan_is_the_benched_plan_not_solved_again(data: ReportData)
     assert picked == data.plan
     # The same plan the planner makes for that budget (what the report used to solve again).
     assert picked is not None and picked.budget_bytes is not None
-    # (The fixture's plans were written before plans recorded their profile's loop: loop None.)
+    # (The fixture's plans were written before plans recorded their profile's loop and input bytes: None.)
     again = make_plan(data.profile, picked.budget_bytes, solver="optimal")
     assert again.loop == data.profile.loop and picked.loop is None
-    assert picked == replace(again, strategy=picked.strategy, loop=None)
+    assert again.input_bytes == tuple(bp.input_bytes for bp in data.profile.block_profiles)
+    assert picked.input_bytes is None
+    assert picked == replace(again, strategy=picked.strategy, loop=None, input_bytes=None)
     # No optimal row: no plan to pick, and the bench's charts say so.
     strategies_only = replace(data.result, rows=tuple(r for r in data.result.rows if r.solver is None))
     assert heatmap_plan(strategies_only) is None

@@ -14,7 +14,7 @@ from torch import nn
 from remat.blocks import blocks as find_blocks
 from remat.blocks import fingerprint, resolve
 from remat.core.ops import Keep, Op, Recompute, validate_ops
-from remat.core.runtime import attach, attached, detach, run_function
+from remat.core.runtime import InputSizes, attach, attached, detach, run_function
 from remat.core.wrapped import unwrap
 from remat.errors import BlockSelectionError, PlanMismatchError, RematError
 from remat.plan.types import Plan
@@ -47,6 +47,10 @@ def apply(
             bypass them, as under ``torch.utils.checkpoint``. By default such a forward raises a
             ``RematError``, as lossy hooks (compression) would make the gradients differ; torch's
             ``save_on_cpu`` is allowed without it (NOTE [ Saved-tensor hooks around the forward ]).
+
+    A plan made from a profile is for the profiled batch: the first call of a block that takes more input
+    bytes than there warns (``RematWarning``, once per applied plan), as the step can then peak above the
+    plan's budget (NOTE [ Batches larger than the profiled one ] in ``remat.core.runtime``).
 
     Returns:
         The plan now in effect.
@@ -102,6 +106,12 @@ def apply(
                 f"{plan.blocks[-1].name}) of a model with a different number of such modules; {found}; a plan "
                 "must cover the blocks of the model it was made for, not part of them: profile and plan this model again"
             )
+    # NOTE [ Batches larger than the profiled one ] in remat.core.runtime: a plan from a profile is for its batch.
+    sizes = (
+        InputSizes(plan.input_bytes, plan.strategy, plan.budget_bytes, plan.predicted_peak_bytes, model)
+        if plan.input_bytes is not None and len(plan.input_bytes) == len(plan.blocks)
+        else None
+    )
     attach(
         model,
         plan,
@@ -110,6 +120,7 @@ def apply(
         [b.fqns for b in plan.blocks],
         allow_stateful=allow_stateful,
         allow_hooks=allow_saved_tensor_hooks,
+        sizes=sizes,
     )
     return plan
 

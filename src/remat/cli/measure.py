@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from remat.apply import apply, remove
@@ -20,6 +23,7 @@ from remat.cli.common import (
     read_plan,
     write_file,
 )
+from remat.errors import RematWarning
 from remat.measure import GradientCheck, check_gradients
 from remat.measure import measure as run_measure
 from remat.plan.types import Plan
@@ -63,12 +67,15 @@ def run(args: argparse.Namespace) -> int:
     if plan is None:
         result = plain
     else:
-        apply(w.model, plan)
-        try:
-            result = run_measure(w.model, w.inputs, w.loss_fn, steps=args.steps, **loop_options(args))
-        finally:
-            remove(w.model)
-        check = check_gradients(w.model, plan, w.inputs, w.loss_fn)
+        with remat_warnings() as shown:
+            apply(w.model, plan)
+            try:
+                result = run_measure(w.model, w.inputs, w.loss_fn, steps=args.steps, **loop_options(args))
+            finally:
+                remove(w.model)
+            check = check_gradients(w.model, plan, w.inputs, w.loss_fn)
+        for message in shown():
+            console.print(f"[yellow]warning:[/] {message}", highlight=False)
         predicted = f" (predicted {format_bytes(plan.predicted_peak_bytes)})" if plan.predicted_peak_bytes else ""
         console.print(
             f"{plan.strategy}: peak {format_bytes(result.peak_bytes)}{predicted} = {result.peak_bytes / plain.peak_bytes:.1%} "
@@ -92,6 +99,23 @@ def run(args: argparse.Namespace) -> int:
     write_file(args.out, result.to_json())
     console.print(f"wrote {args.out}")
     return 0
+
+
+@contextmanager
+def remat_warnings() -> Iterator[Callable[[], list[str]]]:
+    """Collect the ``RematWarning``s raised inside (a plan applied to a larger batch than its profile's: NOTE
+    [ Batches larger than the profiled one ] in ``remat.core.runtime``), each message once, to print as the
+    command's own warnings; other warnings are shown as usual."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RematWarning)
+        messages: list[str] = []
+        yield lambda: messages
+    for w in caught:
+        if issubclass(w.category, RematWarning):
+            if str(w.message) not in messages:
+                messages.append(str(w.message))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
 def warn_other_loop(args: argparse.Namespace, plan: Plan) -> None:

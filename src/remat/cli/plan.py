@@ -32,6 +32,7 @@ from remat.plan.strategies import full, none
 from remat.profile import Profile
 from remat.profile import profile as run_profile
 from remat.report.tables import plan_tree, plans_table
+from remat.units import format_bytes
 
 HELP = "solve for the fastest plan under a memory budget and show it (no training step is changed)"
 
@@ -99,7 +100,8 @@ def _check_model(args: argparse.Namespace, prof: Profile) -> None:
     """MODEL (with ``--set`` / ``--split``) must be the model the profile measured: its class and blocks.
 
     Only the model is built (no step runs). The profile records no input shapes, so a ``--set`` that
-    changes only the batch goes unnoticed.
+    changes only the batch goes unnoticed here; the plan records each block's input bytes, and the model it
+    is applied to warns when a block takes more (NOTE [ Batches larger than the profiled one ]).
     """
     w = load_workload(args.model, args.sizes)
     found = find_blocks(w.model, split=args.split)
@@ -137,7 +139,18 @@ def run(args: argparse.Namespace) -> int:
     console.print(plans_table([make_plan(prof, strategy=none()), make_plan(prof, strategy=full()), chosen]))
     write_file(args.out, chosen.to_json())
     console.print(f"wrote {args.out}; measure it with: {_measure_command(args, prof)}", highlight=False)
+    console.print(_batch_note(prof), highlight=False)
     return 0
+
+
+def _batch_note(prof: Profile) -> str:
+    """The plan is for the profiled batch (NOTE [ Batches larger than the profiled one ] in ``remat.core.runtime``)."""
+    first = prof.block_profiles[0].input_bytes if prof.block_profiles else 0
+    return (
+        f"the budget holds for the profiled batch ({prof.blocks[0].name} takes {format_bytes(first)} of inputs) "
+        "and smaller ones: a larger batch (longer sequences, larger images) peaks above it, and the planned model "
+        "warns when a block takes more; profile on the largest batch you train with"
+    )
 
 
 def _measure_command(args: argparse.Namespace, prof: Profile) -> str:

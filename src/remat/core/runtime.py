@@ -100,10 +100,12 @@ import functools
 import io
 import itertools
 import operator
+import os
 import random
 import sys
 import threading
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -116,12 +118,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from remat.core.ops import Keep, Op, Recompute, RecomputeOps, RecomputeSub
-from remat.core.probe import held_storages, made_since, restored_buffer, same_values, sequence_mark
+from remat.core.probe import held_storages, made_since, restored_buffer, same_values, sequence_mark, storages
 from remat.core.selective import run_selective, saves_recorded, stop_passing
 from remat.core.tree import flatten, leaves, output_leaves, unflatten
 from remat.core.versions import Saved, edited_since, note_saved, replaying, where_data
 from remat.core.wrapped import unwrap
-from remat.errors import RematError, higher_order_refused
+from remat.errors import RematError, RematWarning, higher_order_refused
+from remat.units import format_bytes
 
 __all__ = [
     "side_written",
@@ -268,6 +271,9 @@ class _Role:
     # The keys of its forward (pre-)hooks remat has seen: those at install and those it watches since (NOTE
     # [ Hooks added after apply ]).
     hook_keys: set[int] = field(default_factory=set)
+    # The plan's check of a block's input bytes, on the first member of a block of a plan made from a
+    # profile (NOTE [ Batches larger than the profiled one ]).
+    size_check: SizeCheck | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -2970,12 +2976,19 @@ def _invoke(
 ) -> Any:
     # ``tree``: the walk a replay made of ``module`` just before (NOTE [ One walk per call ]).
     if not spans or not torch.is_grad_enabled():
+        check = role.size_check
+        if check is not None and not replay and not check.sizes.warned and torch.is_grad_enabled():
+            found: list[torch.Tensor] = []
+            _tensors_in((args, kwargs), found, 4)
+            check.check(module, found, args, kwargs)  # an op-level policy
         return _run(module, role, args, kwargs, replay)
     _refuse_functorch(role)
     _refuse_outer_hooks(role)
     if role.learned and role.learned_training != module.training:
         role.learned = False  # NOTE [ State under recomputation ]: a mode change learns again
     flat, spec = flatten((args, kwargs))  # once for the call: each recording takes it (Frame.record)
+    if role.size_check is not None and not replay and not role.size_check.sizes.warned:
+        role.size_check.check(module, flat, args, kwargs)
     lazy = [leaf for leaf in flat if isinstance(leaf, Iterator) and not isinstance(leaf, (torch.Tensor, io.IOBase))]
     if lazy:
         # The forward consumes it: a replay would get it drained (a raw StopIteration in the backward) or
@@ -3091,6 +3104,146 @@ def _invoke(
         frame.calls[index].drew_to = drew_to
         frame.end_rng = end_rng if position + 1 < span.size else None  # the last member: no call follows
     return out
+
+
+# NOTE [ Batches larger than the profiled one ]
+# A plan's budget and predicted peak are those of the batch its profile ran: what each block saves, its
+# transients and its output grow with the batch, so a step on longer sequences or larger images peaks
+# above the budget (1.63-2.44x on the built-in GPT, a Llama and the ResNet at twice the tokens or 1.5x the
+# pixels, helper-122) while its gradients stay exact: nothing fails, the budget silently does not hold. A
+# plan made from a profile records each block's input bytes there (``Plan.input_bytes``, i.e.
+# ``BlockProfile.input_bytes``: the storages of the tensors the block's first member is called with,
+# parameters and buffers left out). ``apply`` gives the role of each block's first member a ``SizeCheck``
+# (all sharing the plan's ``InputSizes``), and where block 0's first member has no role (kept, or kept with
+# a sub-module recomputed: plans of only ``S`` operations are common at mild budgets) makes one its forward
+# pre-hook: block 0 takes the batch in every step. Each call in a forward that records (grad on, not a
+# replay: a replay runs no hooks either) sums its argument storages and warns once per applied plan
+# (``RematWarning``) when they exceed the profiled bytes.
+# - Cost: a recorded call sums over the leaves it flattens anyway (``flat``), 0.3 us for one tensor; the hook
+#   and an op-level policy's call walk their arguments' tuples, lists and dicts (``_tensors_in``, a few us).
+#   Only a sum above the profiled bytes leaves out the model's parameters and buffers (a rotary cache passed
+#   to every layer is a buffer the profile did not count); a sum found within the profiled bytes that way is
+#   remembered (``SizeCheck.fit_bytes``), so it is done once per size. After the warning, nothing is summed.
+# - Smaller batches never warn (the plan then over-provisions: 0.33-0.81x its budget, helper-122), nor do
+#   calls at most 3% above the profiled bytes (``_SLACK``: an extra scalar tensor argument).
+# - State: plain objects in the installation (``Attached.sizes``), the roles and the hook dict, which
+#   copy.deepcopy, pickle and torch.save carry (a copy made after the warning stays quiet); ``suspended``
+#   (remat.profile of an applied model, on any batch, runs the model plain: quiet) installs them again with
+#   the same ``InputSizes``; ``detach`` removes the hook.
+# - Under torch.compile a region dynamo traces (``_compiled``, and the hook, whose ``is_compiling`` branch is
+#   a constant there) is not checked: no new graph break; a block run eagerly under compile is checked.
+#   ``remat.measure`` and ``check_gradients`` of an applied model on a larger batch run the plan on it and
+#   warn: that step is the one above the budget.
+# - Not checked: plans of strategies planned without a profile (nothing was measured; ``remat.apply(model,
+#   remat.full())``), blocks after block 0 that a plan keeps or keeps with sub-modules recomputed (remat runs
+#   no call of their first member: an encoder-decoder's longer targets with the same sources go unseen),
+#   and tensors inside objects other than tuples, lists and dicts (dataclasses: on recorded calls only).
+@dataclass(eq=False)
+class InputSizes:
+    """The batch a plan from a profile was made for, per block, and whether its model warned already
+    (NOTE [ Batches larger than the profiled one ]); one per applied plan, shared by its checks."""
+
+    input_bytes: tuple[int, ...]  # per block, bytes (Plan.input_bytes)
+    strategy: str
+    budget_bytes: int | None
+    predicted_peak_bytes: int | None
+    model: nn.Module | None = None  # the applied model: its parameters and buffers are no inputs
+    hooked: nn.Module | None = None  # the kept first member that SizeCheck watches as a forward pre-hook
+    warned: bool = False
+
+
+# NOTE [ Batches larger than the profiled one ]: a call warns above the profiled bytes by more than 1/_SLACK
+# (3%): the HF Trainer passes each layer a 4-byte ``num_items_in_batch`` tensor that a profile's call lacks
+# (16644 bytes against 16640 on a small GPT-2, a warning on every Trainer run before the slack), and a step on
+# a batch 3% larger stays within the 5% a measured peak may exceed its budget by.
+_SLACK = 32
+
+
+def _tensors_in(value: Any, out: list[torch.Tensor], depth: int) -> None:
+    """The tensors in ``value`` and the tuples, lists and dicts in it, ``depth`` levels deep, into ``out``: a
+    cheaper walk than ``flatten`` for a call that does not flatten its arguments anyway (a few microseconds
+    for an HF layer's keyword arguments instead of tens)."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif depth and isinstance(value, (tuple, list)):
+        for item in value:
+            _tensors_in(item, out, depth - 1)
+    elif depth and isinstance(value, dict):
+        for item in value.values():
+            _tensors_in(item, out, depth - 1)
+
+
+@dataclass(eq=False)
+class SizeCheck:
+    """The check of one block's input bytes against the profiled batch's (NOTE [ Batches larger than the
+    profiled one ]): called by its first member's role, or, where remat runs no call of it (a kept block),
+    as that member's forward pre-hook. A plain object: copy.deepcopy, pickle and torch.save carry it."""
+
+    sizes: InputSizes
+    block: int
+    name: str  # the member's FQN, for the message
+    # The largest sum of a call's argument storages found within the profiled bytes once the model's
+    # parameters and buffers were left out: a later call summing no more is not looked at again.
+    fit_bytes: int = 0
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        # As a forward pre-hook: traced away under torch.compile (constant there: no graph break).
+        if torch.compiler.is_compiling() or self.sizes.warned or not torch.is_grad_enabled():
+            return
+        found: list[torch.Tensor] = []
+        _tensors_in((args, kwargs), found, 4)
+        self.check(module, found, args, kwargs)
+
+    def check(self, module: nn.Module, flat: Sequence[Any], args: tuple[Any, ...], kwargs: Any) -> None:
+        """Warn once per applied plan when this call takes more input bytes than the profile measured."""
+        sizes = self.sizes
+        profiled = sizes.input_bytes[self.block]
+        limit = profiled + profiled // _SLACK
+        total = 0
+        for leaf in flat:
+            if isinstance(leaf, torch.Tensor):
+                try:
+                    total += leaf.untyped_storage().nbytes()
+                except (RuntimeError, NotImplementedError):
+                    total += sum(storages(leaf, set()).values())  # sparse: its indices and values; a DTensor: none
+        if total <= limit or total <= self.fit_bytes:
+            return
+        owner = sizes.model if sizes.model is not None else module
+        held = set(storages([*owner.parameters(), *owner.buffers()], set()))
+        found = sum(storages((args, kwargs), held, out=True).values())
+        if found <= limit:
+            self.fit_bytes = total
+            return
+        sizes.warned = True
+        budget = (
+            f"its budget {format_bytes(sizes.budget_bytes)}"
+            if sizes.budget_bytes is not None
+            else f"its predicted peak {format_bytes(sizes.predicted_peak_bytes or 0)}"
+        )
+        warnings.warn(
+            RematWarning(
+                f"apply: module {self.name!r} (block {self.block} of the plan {sizes.strategy}) takes "
+                f"{format_bytes(found)} of tensor inputs, more than the {format_bytes(profiled)} it took in the "
+                f"batch the plan was profiled on, so this step can peak above {budget} (measured 1.6-2.4x at "
+                "twice the tokens; gradients stay exact); re-profile and re-plan on the largest batch you train "
+                "with: remat.plan(remat.profile(model, largest_inputs, loss_fn), budget) (warned once per applied plan)"
+            ),
+            stacklevel=_caller_level(),
+        )
+
+
+# The folders of remat's and torch's code: a warning names the first frame outside them (the model's call).
+_INTERNAL = (os.path.dirname(os.path.dirname(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+
+
+def _caller_level() -> int:
+    """The ``stacklevel``, for a ``warnings.warn`` in the function calling this one, of the first frame
+    outside remat and torch: the user's line that called the model."""
+    level, frame = 1, sys._getframe(1)  # the caller: level 1 of its warnings.warn
+    at: types.FrameType | None = frame
+    while at is not None and at.f_code.co_filename.startswith(_INTERNAL):
+        level, at = level + 1, at.f_back
+    return level
 
 
 class _Threads:
@@ -3315,6 +3468,7 @@ def install(
     allow_stateful: bool = False,
     allow_hooks: bool = False,
     reuse: dict[tuple[Op, ...], list[tuple[nn.Module, _Role]]] | None = None,
+    sizes: InputSizes | None = None,
 ) -> list[nn.Module]:
     """Install the plan operations ``ops`` on ``model``'s modules (all or nothing).
 
@@ -3330,6 +3484,8 @@ def install(
         reuse: Roles installed before for the same ``ops`` on the same model, by ``ops``: installed again
             as they are (what their first call learned included, so a later call does not learn again:
             the profile times one configuration in several iterations); filled for ``ops`` if absent.
+        sizes: The profiled batch's input bytes per block, checked by the roles of the blocks' first
+            members (NOTE [ Batches larger than the profiled one ]); ``None``: not checked.
 
     Returns:
         Every module whose ``forward`` was overridden.
@@ -3360,9 +3516,37 @@ def install(
     except BaseException:
         uninstall(touched)
         raise
+    if sizes is not None:
+        _install_size_checks(members, names, sizes)
     if reuse is not None:
         reuse[ops] = [(module, module.__dict__["_remat_role"]) for module in touched]
     return touched
+
+
+def _install_size_checks(
+    members: Sequence[list[nn.Module]], names: Sequence[tuple[str, ...]], sizes: InputSizes
+) -> None:
+    """A :class:`SizeCheck` on the role of each block's first member, and, where block 0's first member has no
+    role (kept, or kept with a sub-module recomputed), one as its forward pre-hook: its input tells the
+    batch in every step (NOTE [ Batches larger than the profiled one ])."""
+    for k, group in enumerate(members[: len(sizes.input_bytes)]):
+        role = group[0].__dict__.get("_remat_role")
+        if role is not None:
+            role.size_check = SizeCheck(sizes, k, names[k][0])
+        elif k == 0:
+            group[0].register_forward_pre_hook(SizeCheck(sizes, k, names[k][0]), with_kwargs=True)
+            sizes.hooked = group[0]
+
+
+def _remove_size_hook(sizes: InputSizes | None) -> None:
+    """Remove the forward pre-hook :func:`_install_size_checks` registered, if any."""
+    if sizes is None or sizes.hooked is None:
+        return
+    module = sizes.hooked
+    for key in [k for k, hook in module._forward_pre_hooks.items() if isinstance(hook, SizeCheck)]:
+        del module._forward_pre_hooks[key]
+        module._forward_pre_hooks_with_kwargs.pop(key, None)
+    sizes.hooked = None
 
 
 # What a role's learning call finds (NOTE [ State under recomputation ]): facts about its modules' forward,
@@ -3424,6 +3608,7 @@ class Attached:
     allow_stateful: bool
     touched: tuple[nn.Module, ...]
     allow_hooks: bool = False
+    sizes: InputSizes | None = None  # NOTE [ Batches larger than the profiled one ]
 
 
 def holder(model: nn.Module) -> nn.Module:
@@ -3441,12 +3626,14 @@ def attach(
     *,
     allow_stateful: bool = False,
     allow_hooks: bool = False,
+    sizes: InputSizes | None = None,
 ) -> None:
-    """:func:`install` ``ops`` on ``model`` in place of what was there, and remember it under ``tag``."""
+    """:func:`install` ``ops`` on ``model`` in place of what was there, and remember it under ``tag``
+    (``sizes``: the profiled batch's, checked at run time: NOTE [ Batches larger than the profiled one ])."""
     detach(model)
-    touched = install(model, ops, members, names, allow_stateful=allow_stateful, allow_hooks=allow_hooks)
+    touched = install(model, ops, members, names, allow_stateful=allow_stateful, allow_hooks=allow_hooks, sizes=sizes)
     model.__dict__[_APPLIED_ATTR] = Attached(
-        tag, tuple(ops), tuple(map(tuple, names)), allow_stateful, tuple(touched), allow_hooks
+        tag, tuple(ops), tuple(map(tuple, names)), allow_stateful, tuple(touched), allow_hooks, sizes
     )
     model.register_forward_hook(_check_members)
     model.register_forward_pre_hook(_watch_hooks)
@@ -3612,6 +3799,7 @@ def detach(model: nn.Module) -> Any | None:
         return None
     _unwatch_hooks(entry.touched)
     uninstall(entry.touched)
+    _remove_size_hook(entry.sizes)
     return entry.tag
 
 
@@ -3634,6 +3822,7 @@ def suspended(model: nn.Module) -> Iterator[None]:
                 entry.names,
                 allow_stateful=entry.allow_stateful,
                 allow_hooks=entry.allow_hooks,
+                sizes=entry.sizes,
             )
 
 

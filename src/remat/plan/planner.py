@@ -166,6 +166,7 @@ def plan_from_ops(profile: Profile, ops: tuple[Op, ...], label: str, budget_byte
         baseline_peak_bytes=profile.peak_bytes,
         baseline_step_ms=profile.step_ms,
         loop=profile.loop,
+        input_bytes=tuple(bp.input_bytes for bp in profile.block_profiles),
     )
 
 

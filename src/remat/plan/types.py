@@ -259,6 +259,10 @@ class Plan:
         baseline_step_ms: The measured step time with nothing checkpointed, milliseconds.
         loop: The training-loop iteration its profile measured, which its predicted figures are for
             (``None``: planned without a profile, or written before plans recorded it).
+        input_bytes: Bytes of each block's tensor inputs in the batch its profile ran
+            (``BlockProfile.input_bytes``), which its budget and predicted figures are for: the applied
+            model warns once when a block takes more (NOTE [ Batches larger than the profiled one ] in
+            ``remat.core.runtime``; ``None``: planned without a profile, or written before plans recorded it).
     """
 
     schema_version: ClassVar[int] = 1
@@ -273,6 +277,7 @@ class Plan:
     baseline_peak_bytes: int | None = None
     baseline_step_ms: float | None = None
     loop: Loop | None = None
+    input_bytes: tuple[int, ...] | None = None
 
     @property
     def checkpointed(self) -> tuple[int, ...]:
@@ -464,6 +469,7 @@ class Plan:
             "baseline_peak_bytes": self.baseline_peak_bytes,
             "baseline_step_ms": self.baseline_step_ms,
             "loop": None if self.loop is None else {"grads": self.loop.grads.value, "optimizer": self.loop.optimizer},
+            "input_bytes": None if self.input_bytes is None else list(self.input_bytes),
         }
 
     def to_json(self) -> str:
@@ -504,6 +510,11 @@ class Plan:
         validate_ops(
             plan.ops, len(plan.blocks), block_fqns=[b.fqns for b in plan.blocks], source=f"{reader.kind} json: {at}ops"
         )
+        if plan.input_bytes is not None and len(plan.input_bytes) != len(plan.blocks):
+            raise reader.error(
+                f"{at}input_bytes",
+                f"has {len(plan.input_bytes)} entries, expected one per block ({len(plan.blocks)})",
+            )
         return plan
 
 
