@@ -3645,8 +3645,8 @@ def attach(
 # previous member's output, which the segment replays (a link, NOTE [ Spans ]), but a tensor it must hold.
 # The profile measures that for the hooks registered when it runs; registered after apply, the plan was made
 # without it: gradients exact, but a multi-block segment held each such input, 1.07-1.09x the plan's
-# prediction and budget, silently (helper-119). A hook that returns nothing or what it was given (a logging
-# hook, FSDP2's hooks without mixed precision, remat's own timeline) changes nothing, so presence is not the
+# prediction and budget, silently (helper-119). A hook that returns nothing, what it was given or aliases of it
+# (a logging hook, FSDP2's hooks, remat's own timeline) changes nothing, so presence is not the
 # test: before each forward of the model, a hook new since apply on a module where it could break a link
 # (a forward hook where a later member of a span may take the output, a pre-hook where the module's inputs
 # may be an earlier member's output) is wrapped in a check of what it returns (_CheckedHook), and one that
@@ -3688,8 +3688,21 @@ class _CheckedHook:
         )
 
 
-def _tensor_ids(tree: Any) -> list[int]:
-    return [id(t) for t in output_leaves(tree) if isinstance(t, torch.Tensor)]
+def _tensor_ids(tree: Any) -> list[tuple[int, int]]:
+    """The storages of ``tree``'s tensors, by address and size: a hook that returns aliases of what it was
+    given (FSDP2's pre-forward hook, which passes the inputs through an autograd function that registers its
+    post-backward hook) holds no new memory (NOTE [ Hooks added after apply ]); a tensor without a storage
+    (sparse, nested) counts by identity."""
+    keys: list[tuple[int, int]] = []
+    for t in output_leaves(tree):
+        if not isinstance(t, torch.Tensor):
+            continue
+        try:
+            st = t.untyped_storage()
+            keys.append((st.data_ptr(), st.nbytes()))
+        except (RuntimeError, NotImplementedError):
+            keys.append((id(t), -1))
+    return keys
 
 
 def _link_positions(role: _Role) -> tuple[bool, bool]:
