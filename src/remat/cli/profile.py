@@ -27,7 +27,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     """Arguments of ``remat profile``."""
     add_model_args(p)
     add_split_arg(p)
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per block (median), default 5")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="samples of each block's times (median; fewer plain steps where blocks have twins), default 5",
+    )
     p.add_argument(
         "--out", type=Path, default=Path("profile.json"), help="where to write the profile (default profile.json)"
     )
