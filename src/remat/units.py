@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from remat.errors import RematError
 
-__all__ = ["Budget", "parse_bytes", "parse_budget", "format_bytes", "format_ms"]
+__all__ = ["Budget", "parse_bytes", "parse_budget", "format_bytes", "format_bytes_apart", "format_ms"]
 
 _UNITS = {
     "": 1,
@@ -177,6 +177,27 @@ def format_bytes(n: int | float) -> str:
             return f"{sign}{v:.0f}{unit}" if unit == "B" else f"{sign}{v:.1f}{unit}"
         v /= 1024
     return f"{sign}{v:.1f}TiB"  # pragma: no cover
+
+
+def format_bytes_apart(a: int | float, b: int | float) -> tuple[str, str]:
+    """Format two sizes a message compares, so that different sizes never read alike.
+
+    NOTE [ Sizes a message compares ]: ``format_bytes`` keeps one decimal, 10% of the value between 1.0
+    and 9.9 of a unit, so "budget 1.6MiB is below the smallest feasible peak 1.6MiB" said nothing of how
+    far apart the two were. Where the two read alike, each gets its exact byte count, in a form
+    ``parse_bytes`` (and so ``--budget``) reads back: ``'1.6MiB (1677721B)'``.
+
+    Args:
+        a: The first size, in bytes.
+        b: The second size, in bytes.
+
+    Returns:
+        Both sizes formatted, ``format_bytes``'s text where that tells them apart.
+    """
+    fa, fb = format_bytes(a), format_bytes(b)
+    if fa != fb or round(a) == round(b):
+        return fa, fb
+    return f"{fa} ({round(a)}B)", f"{fb} ({round(b)}B)"
 
 
 def format_ms(ms: float) -> str:

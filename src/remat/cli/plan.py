@@ -41,7 +41,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     """Arguments of ``remat plan``."""
     add_model_args(p)
     add_split_arg(p)
-    p.add_argument("--budget", required=True, help="bytes ('1.5GiB') or share of the unplanned peak ('40%%')")
+    p.add_argument(
+        "--budget",
+        required=True,
+        action="append",  # so that a second one is refused, not silently taken instead of the first
+        help="bytes ('1.5GiB') or share of the unplanned peak ('40%%'); one (remat bench takes several)",
+    )
     p.add_argument("--solver", default="optimal", choices=list(SOLVERS), help="default optimal")
     p.add_argument(
         "--profile",
@@ -57,7 +62,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace) -> None:
     """Every mistake that can be seen without building the model, caught before anything is measured."""
-    check_budgets([args.budget])
+    check_budgets(args.budget)
+    if len(args.budget) > 1:
+        raise RematError(
+            f"--budget given {len(args.budget)} times ({', '.join(map(repr, args.budget))}); a plan is for one "
+            "budget: give one --budget, or compare several with remat bench --budget A --budget B"
+        )
+    args.budget = args.budget[0]  # one, from here on
     check_out_file("--out", args.out)
     if args.profile is None:
         check_model(args.model or DEFAULT_MODEL, args.sizes)

@@ -124,7 +124,7 @@ from remat.core.tree import flatten, leaves, output_leaves, unflatten
 from remat.core.versions import Saved, edited_since, note_saved, replaying, where_data
 from remat.core.wrapped import unwrap
 from remat.errors import RematError, RematWarning, higher_order_refused
-from remat.units import format_bytes
+from remat.units import format_bytes, format_bytes_apart
 
 __all__ = [
     "side_written",
@@ -3220,10 +3220,11 @@ class SizeCheck:
             if sizes.budget_bytes is not None
             else f"its predicted peak {format_bytes(sizes.predicted_peak_bytes or 0)}"
         )
+        found_text, profiled_text = format_bytes_apart(found, profiled)  # NOTE [ Sizes a message compares ]
         warnings.warn(
             RematWarning(
                 f"apply: module {self.name!r} (block {self.block} of the plan {sizes.strategy}) takes "
-                f"{format_bytes(found)} of tensor inputs, more than the {format_bytes(profiled)} it took in the "
+                f"{found_text} of tensor inputs, more than the {profiled_text} it took in the "
                 f"batch the plan was profiled on, so this step can peak above {budget} (measured 1.6-2.4x at "
                 "twice the tokens; gradients stay exact); re-profile and re-plan on the largest batch you train "
                 "with: remat.plan(remat.profile(model, largest_inputs, loss_fn), budget) (warned once per applied plan)"

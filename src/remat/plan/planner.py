@@ -28,7 +28,7 @@ from remat.plan.solver import (
 from remat.plan.strategies import STRATEGIES, Named, Strategy, Target, inplace_blocks, parse_strategy
 from remat.plan.types import Plan
 from remat.profile.types import Profile
-from remat.units import Budget, format_bytes, parse_budget
+from remat.units import Budget, format_bytes, format_bytes_apart, parse_budget
 
 __all__ = ["Solver", "SOLVERS", "plan", "plan_from_ops", "to_plan", "solver_named", "variant_costs"]
 
@@ -472,8 +472,9 @@ def _plan_here(profile: Profile, budget: int | str | Budget | None, *, solver: s
                     else ""
                 )
             )
+        budget_text, smallest_text = format_bytes_apart(budget_bytes, smallest)  # NOTE [ Sizes a message compares ]
         raise BudgetInfeasibleError(
-            f"plan: budget {format_bytes(budget_bytes)} is below the smallest feasible peak {format_bytes(smallest)} "
+            f"plan: budget {budget_text} is below the smallest feasible peak {smallest_text} "
             f"({chosen.name}: {cheapest}); raise the budget or lower the batch size{finer}",
             budget_bytes=budget_bytes,
             min_peak_bytes=smallest,
@@ -504,8 +505,9 @@ def _plan_here(profile: Profile, budget: int | str | Budget | None, *, solver: s
         if lowest.predicted_peak_bytes is not None and lowest.predicted_peak_bytes <= budget_bytes:
             return _held_once(profile, chain, chosen, headroom, budget_bytes, lowest)
         least = min(chosen_plan.predicted_peak_bytes, lowest.predicted_peak_bytes or chosen_plan.predicted_peak_bytes)
+        budget_text, least_text = format_bytes_apart(budget_bytes, least)  # NOTE [ Sizes a message compares ]
         raise BudgetInfeasibleError(
-            f"plan: budget {format_bytes(budget_bytes)} is below the smallest peak {format_bytes(least)} of a plan "
+            f"plan: budget {budget_text} is below the smallest peak {least_text} of a plan "
             f"the {chosen.name} solver finds ({ops_repr(lowest.ops)}); raise the budget or lower the batch size",
             budget_bytes=budget_bytes,
             min_peak_bytes=least,
