@@ -12,9 +12,9 @@ from typing import Any
 from torch import nn
 
 from remat.blocks import blocks as find_blocks
-from remat.blocks import fingerprint, resolve
+from remat.blocks import fingerprint, param_modules, resolve
 from remat.core.ops import Keep, Op, Recompute, validate_ops
-from remat.core.runtime import InputSizes, attach, attached, detach, run_function
+from remat.core.runtime import InputSizes, Trainable, attach, attached, detach, hook_watch, run_function
 from remat.core.wrapped import unwrap
 from remat.errors import BlockSelectionError, PlanMismatchError, RematError
 from remat.plan.types import Plan
@@ -112,6 +112,19 @@ def apply(
         if plan.input_bytes is not None and len(plan.input_bytes) == len(plan.blocks)
         else None
     )
+    # NOTE [ Parameters unfrozen after planning ] in remat.blocks: and for the parameters requiring grad then.
+    trainable = (
+        Trainable(
+            plan.trainable_params,
+            param_modules(model, members),
+            tuple(b.fqns[0] for b in plan.blocks),
+            plan.strategy,
+            plan.budget_bytes,
+            plan.predicted_peak_bytes,
+        )
+        if plan.trainable_params is not None and len(plan.trainable_params) == len(plan.blocks) + 1
+        else None
+    )
     attach(
         model,
         plan,
@@ -121,6 +134,8 @@ def apply(
         allow_stateful=allow_stateful,
         allow_hooks=allow_saved_tensor_hooks,
         sizes=sizes,
+        trainable=trainable,
+        hooks=hook_watch(model, plan.strategy, plan.budget_bytes, plan.predicted_peak_bytes),
     )
     return plan
 

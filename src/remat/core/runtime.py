@@ -113,10 +113,13 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_globals
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
 
+from remat.blocks import count_trainable
 from remat.core.ops import Keep, Op, Recompute, RecomputeOps, RecomputeSub
 from remat.core.probe import held_storages, made_since, restored_buffer, same_values, sequence_mark, storages
 from remat.core.selective import run_selective, saves_recorded, stop_passing
@@ -3116,9 +3119,13 @@ def _invoke(
 # parameters and buffers left out). ``apply`` gives the role of each block's first member a ``SizeCheck``
 # (all sharing the plan's ``InputSizes``), and where block 0's first member has no role (kept, or kept with
 # a sub-module recomputed: plans of only ``S`` operations are common at mild budgets) makes one its forward
-# pre-hook: block 0 takes the batch in every step. Each call in a forward that records (grad on, not a
-# replay: a replay runs no hooks either) sums its argument storages and warns once per applied plan
-# (``RematWarning``) when they exceed the profiled bytes.
+# pre-hook: block 0 takes the batch in every step. So does every later kept block whose profiled input bytes
+# no earlier block took: a decoder's first layer, which takes the encoder's output besides its own hidden
+# states (a T5 from config planned on 16 target tokens and trained on 48 or 96 with the same sources grows
+# only there: 1.44-2.93x its budget, unseen before, helper-127), and in split blocks the first of each kind
+# (a Llama split: 2 hooks for 16 blocks); blocks of a size seen before belong to a stack whose first block is
+# checked. Each call in a forward that records (grad on, not a replay: a replay runs no hooks either) sums
+# its argument storages and warns once per applied plan (``RematWarning``) when they exceed the profiled bytes.
 # - Cost: a recorded call sums over the leaves it flattens anyway (``flat``), 0.3 us for one tensor; the hook
 #   and an op-level policy's call walk their arguments' tuples, lists and dicts (``_tensors_in``, a few us).
 #   Only a sum above the profiled bytes leaves out the model's parameters and buffers (a rotary cache passed
@@ -3135,9 +3142,9 @@ def _invoke(
 #   ``remat.measure`` and ``check_gradients`` of an applied model on a larger batch run the plan on it and
 #   warn: that step is the one above the budget.
 # - Not checked: plans of strategies planned without a profile (nothing was measured; ``remat.apply(model,
-#   remat.full())``), blocks after block 0 that a plan keeps or keeps with sub-modules recomputed (remat runs
-#   no call of their first member: an encoder-decoder's longer targets with the same sources go unseen),
-#   and tensors inside objects other than tuples, lists and dicts (dataclasses: on recorded calls only).
+#   remat.full())``), a kept block taking the same bytes as an earlier block when profiled that grows alone
+#   (a second stack whose first layer takes exactly what the first stack's layers took), and tensors inside
+#   objects other than tuples, lists and dicts (dataclasses: on recorded calls only).
 @dataclass(eq=False)
 class InputSizes:
     """The batch a plan from a profile was made for, per block, and whether its model warned already
@@ -3148,7 +3155,7 @@ class InputSizes:
     budget_bytes: int | None
     predicted_peak_bytes: int | None
     model: nn.Module | None = None  # the applied model: its parameters and buffers are no inputs
-    hooked: nn.Module | None = None  # the kept first member that SizeCheck watches as a forward pre-hook
+    hooked: list[nn.Module] = field(default_factory=list)  # kept first members a SizeCheck watches as pre-hook
     warned: bool = False
 
 
@@ -3228,6 +3235,45 @@ class SizeCheck:
                 f"batch the plan was profiled on, so this step can peak above {budget} (measured 1.6-2.4x at "
                 "twice the tokens; gradients stay exact); re-profile and re-plan on the largest batch you train "
                 "with: remat.plan(remat.profile(model, largest_inputs, loss_fn), budget) (warned once per applied plan)"
+            ),
+            stacklevel=_caller_level(),
+        )
+
+
+@dataclass(eq=False)
+class Trainable:
+    """Which parameters required grad when a plan's profile ran, checked once per forward of the applied model
+    (NOTE [ Parameters unfrozen after planning ] in ``remat.blocks``); one per applied plan."""
+
+    profiled: tuple[int, ...]  # per block, then the other modules (Plan.trainable_params)
+    modules: list[list[nn.Module]]  # remat.blocks.param_modules of the applied model
+    names: tuple[str, ...]  # each block's first member, for the message
+    strategy: str
+    budget_bytes: int | None
+    predicted_peak_bytes: int | None
+    warned: bool = False
+
+    def check(self) -> None:
+        """Warn once when more parameters of a block (or of the modules in no block) require grad than profiled."""
+        counts = count_trainable(self.modules)
+        over = [k for k, (now, then) in enumerate(zip(counts, self.profiled)) if now > then]
+        if not over:
+            return
+        self.warned = True
+        k = over[0]
+        where = f"block {k} ({self.names[k]!r})" if k < len(self.names) else "the modules in no block"
+        limit = (
+            f"its budget {format_bytes(self.budget_bytes)}"
+            if self.budget_bytes is not None
+            else f"its predicted peak {format_bytes(self.predicted_peak_bytes or 0)}"
+        )
+        warnings.warn(
+            RematWarning(
+                f"apply: {where} has {counts[k]} parameters requiring grad, more than the {self.profiled[k]} when "
+                f"the plan {self.strategy} was profiled{f' ({len(over)} groups grew)' if len(over) > 1 else ''}, so "
+                f"its backward needs more saved tensors than the plan counted and this step can peak above {limit} "
+                "(measured up to 1.30x after unfreezing half a model; gradients stay exact); profile and plan again "
+                "after changing requires_grad (warned once per applied plan)"
             ),
             stacklevel=_caller_level(),
         )
@@ -3470,6 +3516,7 @@ def install(
     allow_hooks: bool = False,
     reuse: dict[tuple[Op, ...], list[tuple[nn.Module, _Role]]] | None = None,
     sizes: InputSizes | None = None,
+    hooks_from: int | None = None,
 ) -> list[nn.Module]:
     """Install the plan operations ``ops`` on ``model``'s modules (all or nothing).
 
@@ -3487,6 +3534,8 @@ def install(
             the profile times one configuration in several iterations); filled for ``ops`` if absent.
         sizes: The profiled batch's input bytes per block, checked by the roles of the blocks' first
             members (NOTE [ Batches larger than the profiled one ]); ``None``: not checked.
+        hooks_from: The first hook key registered after the plan's profile: hooks of that key or later are no
+            hooks the profile measured (NOTE [ Hooks the profile did not see ]); ``None``: every hook there now is.
 
     Returns:
         Every module whose ``forward`` was overridden.
@@ -3511,7 +3560,10 @@ def install(
             role.check_params = not sharded
             role.allow_hooks = allow_hooks
             role.root = weakref.ref(model)
-            role.hook_keys = {*module._forward_pre_hooks, *module._forward_hooks}  # NOTE [ Hooks added after apply ]
+            # NOTE [ Hooks added after apply ], NOTE [ Hooks the profile did not see ]
+            role.hook_keys = {
+                k for k in (*module._forward_pre_hooks, *module._forward_hooks) if hooks_from is None or k < hooks_from
+            }
             _set_role(module, role)
             touched.append(module)
     except BaseException:
@@ -3527,27 +3579,30 @@ def install(
 def _install_size_checks(
     members: Sequence[list[nn.Module]], names: Sequence[tuple[str, ...]], sizes: InputSizes
 ) -> None:
-    """A :class:`SizeCheck` on the role of each block's first member, and, where block 0's first member has no
-    role (kept, or kept with a sub-module recomputed), one as its forward pre-hook: its input tells the
-    batch in every step (NOTE [ Batches larger than the profiled one ])."""
+    """A :class:`SizeCheck` on the role of each block's first member, and, where the first block taking inputs of
+    a size no earlier block took (block 0; a decoder's first layer after an encoder's) has no role on its first
+    member (kept, or kept with a sub-module recomputed), one as its forward pre-hook: its input tells the batch,
+    or that stack's share of it, in every step (NOTE [ Batches larger than the profiled one ])."""
+    seen: set[int] = set()
     for k, group in enumerate(members[: len(sizes.input_bytes)]):
         role = group[0].__dict__.get("_remat_role")
         if role is not None:
             role.size_check = SizeCheck(sizes, k, names[k][0])
-        elif k == 0:
+        elif sizes.input_bytes[k] not in seen:
             group[0].register_forward_pre_hook(SizeCheck(sizes, k, names[k][0]), with_kwargs=True)
-            sizes.hooked = group[0]
+            sizes.hooked.append(group[0])
+        seen.add(sizes.input_bytes[k])
 
 
 def _remove_size_hook(sizes: InputSizes | None) -> None:
-    """Remove the forward pre-hook :func:`_install_size_checks` registered, if any."""
-    if sizes is None or sizes.hooked is None:
+    """Remove the forward pre-hooks :func:`_install_size_checks` registered, if any."""
+    if sizes is None:
         return
-    module = sizes.hooked
-    for key in [k for k, hook in module._forward_pre_hooks.items() if isinstance(hook, SizeCheck)]:
-        del module._forward_pre_hooks[key]
-        module._forward_pre_hooks_with_kwargs.pop(key, None)
-    sizes.hooked = None
+    for module in sizes.hooked:
+        for key in [k for k, hook in module._forward_pre_hooks.items() if isinstance(hook, SizeCheck)]:
+            del module._forward_pre_hooks[key]
+            module._forward_pre_hooks_with_kwargs.pop(key, None)
+    sizes.hooked = []
 
 
 # What a role's learning call finds (NOTE [ State under recomputation ]): facts about its modules' forward,
@@ -3610,6 +3665,8 @@ class Attached:
     touched: tuple[nn.Module, ...]
     allow_hooks: bool = False
     sizes: InputSizes | None = None  # NOTE [ Batches larger than the profiled one ]
+    trainable: Trainable | None = None  # NOTE [ Parameters unfrozen after planning ] in remat.blocks
+    hooks: HookWatch | None = None  # NOTE [ Hooks the profile did not see ]
 
 
 def holder(model: nn.Module) -> nn.Module:
@@ -3628,13 +3685,27 @@ def attach(
     allow_stateful: bool = False,
     allow_hooks: bool = False,
     sizes: InputSizes | None = None,
+    trainable: Trainable | None = None,
+    hooks: HookWatch | None = None,
 ) -> None:
     """:func:`install` ``ops`` on ``model`` in place of what was there, and remember it under ``tag``
-    (``sizes``: the profiled batch's, checked at run time: NOTE [ Batches larger than the profiled one ])."""
+    (``sizes``: the profiled batch's, checked at run time: NOTE [ Batches larger than the profiled one ];
+    ``trainable``: the profile's parameters requiring grad, checked once per forward: NOTE [ Parameters
+    unfrozen after planning ] in ``remat.blocks``; ``hooks``: the hooks registered since the plan's profile,
+    checked: NOTE [ Hooks the profile did not see ])."""
     detach(model)
-    touched = install(model, ops, members, names, allow_stateful=allow_stateful, allow_hooks=allow_hooks, sizes=sizes)
+    touched = install(
+        model,
+        ops,
+        members,
+        names,
+        allow_stateful=allow_stateful,
+        allow_hooks=allow_hooks,
+        sizes=sizes,
+        hooks_from=hooks.since if hooks is not None else None,
+    )
     model.__dict__[_APPLIED_ATTR] = Attached(
-        tag, tuple(ops), tuple(map(tuple, names)), allow_stateful, tuple(touched), allow_hooks, sizes
+        tag, tuple(ops), tuple(map(tuple, names)), allow_stateful, tuple(touched), allow_hooks, sizes, trainable, hooks
     )
     model.register_forward_hook(_check_members)
     model.register_forward_pre_hook(_watch_hooks)
@@ -3679,7 +3750,8 @@ class _CheckedHook:
         kind = "forward pre-hook" if self.pre else "forward hook"
         what = "inputs than the module was called with" if self.pre else "tensors than the module returned"
         raise RematError(
-            f"apply: module {self.name!r} got a {kind} after remat.apply "
+            f"apply: module {self.name!r} got a {kind} after the plan's profile (after remat.apply, or between "
+            "remat.profile and remat.apply: NOTE [ Hooks the profile did not see ]) "
             f"({getattr(self.__wrapped__, '__qualname__', type(self.__wrapped__).__name__)}) that returns other "
             f"{what}; the plan recomputes it in one segment with "
             f"{'the module whose output it takes' if self.pre else 'a later module that takes its output'}, "
@@ -3720,6 +3792,9 @@ def _watch_hooks(model: nn.Module, _args: Any) -> None:
     entry = model.__dict__.get(_APPLIED_ATTR)
     if not isinstance(entry, Attached):
         return
+    trainable = entry.trainable
+    if trainable is not None and not trainable.warned and torch.is_grad_enabled():
+        trainable.check()  # NOTE [ Parameters unfrozen after planning ] in remat.blocks: once per forward
     for module in entry.touched:
         pre_hooks, hooks = module._forward_pre_hooks, module._forward_hooks
         if not pre_hooks and not hooks:
@@ -3737,15 +3812,195 @@ def _watch_hooks(model: nn.Module, _args: Any) -> None:
                 if linked and not isinstance(hook_dict[key], _CheckedHook):
                     hook_dict[key] = _CheckedHook(hook_dict[key], role.name, pre)
         known.intersection_update({*pre_hooks, *hooks})  # forget removed hooks
+    watch = entry.hooks
+    if watch is not None and not watch.warned and RemovableHandle.next_id != watch.seen:
+        watch.wrap_new(model)  # NOTE [ Hooks the profile did not see ]: only when a hook was registered anywhere
 
 
-def _unwatch_hooks(modules: Sequence[nn.Module]) -> None:
-    """Put back the hooks :func:`_watch_hooks` wrapped."""
-    for module in modules:
-        for hook_dict in (module._forward_pre_hooks, module._forward_hooks):
-            for key, hook in list(hook_dict.items()):
-                if isinstance(hook, _CheckedHook):
-                    hook_dict[key] = hook.__wrapped__
+def _unwatch_hooks(modules: Iterable[nn.Module], watch: HookWatch | None = None) -> None:
+    """Put back the hooks :func:`_watch_hooks` wrapped (and those ``watch`` wrapped in ``modules`` and the
+    global hook dicts)."""
+    dicts = [d for module in modules for d in (module._forward_pre_hooks, module._forward_hooks)]
+    if watch is not None:
+        dicts += [module_globals._global_forward_pre_hooks, module_globals._global_forward_hooks]
+    for hook_dict in dicts:
+        for key, hook in list(hook_dict.items()):
+            while isinstance(hook, (_CheckedHook, _SavesChecked)) and (
+                not isinstance(hook, _SavesChecked) or hook.watch is watch
+            ):
+                hook = hook.__wrapped__
+            hook_dict[key] = hook
+
+
+# NOTE [ Hooks the profile did not see ]
+# A plan counts what the model saved when its profile ran, with the hooks registered then. A forward hook
+# registered later that computes with what it is given saves more for the backward (``o * o.sigmoid()`` on a
+# kept layer's output saves the sigmoid): on the built-in GPT and a Llama from config, such hooks on every
+# layer (or split member) peaked at 1.08-1.66x the plan's budget, on every layer's MLP at up to 1.14x,
+# gradients exact, silently, whether the hook was module-level or global, registered after apply or between
+# remat.profile and remat.apply (helper-127). A hook that saves nothing new (logging, ``o * 0.5``: a product
+# with a number saves nothing, FSDP2's and remat's own hooks) changes nothing, so presence is not the test (NOTE [ Hooks
+# added after apply ]). torch numbers every hook handle from one counter (``RemovableHandle.next_id``), which
+# is also each hook's key in its dict: ``remat.profile`` notes the counter for the model when it ends
+# (``note_profiled``), and a hook of that key or later, on any module of the model or global, was not seen
+# by the plan's profile (without a note for this model, e.g. a plan read from a file or made on a copy:
+# hooks registered after apply). Before
+# a forward of the applied model in which the counter moved since the last look (one integer comparison
+# otherwise), ``HookWatch.wrap_new`` walks the model's modules and the global hook dicts and wraps each such
+# hook in ``_SavesChecked``, which runs it and, on its first call per module, follows the autograd graph
+# from what it returns back to what it was given and adds up the storages it saves that are neither those
+# given nor the module's parameters and buffers. When that sum over a step's new hooks exceeds 1/32 of the
+# plan's budget (``_SLACK``, as a larger batch), the planned model warns once (``RematWarning``). A
+# global hook on a planned module at a link is also checked as NOTE [ Hooks added after apply ] checks one on
+# the module; such module hooks registered between the profile and apply are no longer taken as the
+# profile's. Not seen: a hook registered and removed within one forward (the walk runs before the
+# forward), a hook that keeps tensors without returning them (a feature collector, no autograd edge), and a
+# hook inside a member remat records (saved-tensor hooks active: its saves are the segment's, and reading
+# them would run remat's unpacking); ``remat.remove`` puts the hooks back. Cost: 0.06 us per forward with no
+# new hook; one walk (80 us on a 4-layer GPT) when one was registered; a wrapped hook 3 us more per call, and
+# its first call per module a graph walk (about 0.2 ms).
+@dataclass(eq=False)
+class HookWatch:
+    """The hooks registered since a plan's profile and what they save, for one applied plan (NOTE [ Hooks the
+    profile did not see ])."""
+
+    since: int  # the first hook key the profile did not see
+    strategy: str
+    limit_bytes: int  # bytes of new saved tensors per step that warn: 1/_SLACK of the budget
+    budget: str  # for the message: "its budget 1.2MiB"
+    seen: int = -1  # RemovableHandle.next_id at the last walk
+    saved_bytes: int = 0  # what the new hooks saved, on their first call per module
+    names: dict[int, str] = field(default_factory=dict)  # id(module) -> FQN, at the last walk
+    warned: bool = False
+
+    def wrap_new(self, model: nn.Module) -> None:
+        """Wrap every forward (pre-)hook of ``model``'s modules and the global ones registered since the profile."""
+        self.seen = RemovableHandle.next_id
+        self.names = {}
+        for name, module in model.named_modules():
+            self.names[id(module)] = name
+            if module._forward_pre_hooks or module._forward_hooks:
+                self._wrap(module._forward_pre_hooks, True, False)
+                self._wrap(module._forward_hooks, False, False)
+        self._wrap(module_globals._global_forward_pre_hooks, True, True)
+        self._wrap(module_globals._global_forward_hooks, False, True)
+
+    def _wrap(self, hook_dict: dict[int, Callable[..., Any]], pre: bool, is_global: bool) -> None:
+        for key, hook in list(hook_dict.items()):
+            if key >= self.since and not _own_hook(hook):
+                hook_dict[key] = _SavesChecked(hook, self, pre, is_global)
+
+    def add(self, nbytes: int, module: nn.Module, hook: Callable[..., Any], pre: bool) -> None:
+        """Count what a hook saved; warn once when the step's new hooks together save above the limit."""
+        self.saved_bytes += nbytes
+        if self.saved_bytes <= self.limit_bytes:
+            return
+        self.warned = True
+        name = self.names.get(id(module), type(module).__name__)
+        warnings.warn(
+            RematWarning(
+                f"apply: a forward {'pre-' if pre else ''}hook registered after the plan's profile "
+                f"({getattr(hook, '__qualname__', type(hook).__name__)}, on module {name!r}) saves "
+                f"{format_bytes(nbytes)} for the backward that the plan {self.strategy} did not count "
+                f"({format_bytes(self.saved_bytes)} with the other hooks registered since), so this step can peak "
+                f"above {self.budget} (measured up to 1.66x; gradients stay exact); register the hook before "
+                "remat.profile and plan again (warned once per applied plan)"
+            ),
+            stacklevel=_caller_level(),
+        )
+
+
+class _SavesChecked:
+    """A forward (pre-)hook registered since a plan's profile, run as it is, with what it saves for the backward
+    counted on its first call per module (NOTE [ Hooks the profile did not see ])."""
+
+    __slots__ = ("__wrapped__", "done", "is_global", "pre", "watch")
+
+    def __init__(self, hook: Callable[..., Any], watch: HookWatch, pre: bool, is_global: bool) -> None:
+        self.__wrapped__, self.watch, self.pre, self.is_global = hook, watch, pre, is_global
+        self.done: set[int] = set()  # ids of the modules it was checked on
+
+    def __call__(self, module: nn.Module, *rest: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return self.__wrapped__(module, *rest)
+        role = module.__dict__.get("_remat_role") if self.is_global else None
+        if role is not None and _link_positions(role)[1 if self.pre else 0]:
+            # A global hook at a link of a planned module: NOTE [ Hooks added after apply ].
+            result = _CheckedHook(self.__wrapped__, role.name, self.pre)(module, *rest)
+        else:
+            result = self.__wrapped__(module, *rest)
+        watch = self.watch
+        if result is None or watch.warned or id(module) in self.done or not torch.is_grad_enabled():
+            return result
+        self.done.add(id(module))
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            return result  # inside a recorded member, or the caller's own saved-tensor hooks: not ours to read
+        nbytes = _new_saved_bytes(result, rest, module)
+        if nbytes:
+            watch.add(nbytes, module, self.__wrapped__, self.pre)
+        return result
+
+
+def _new_saved_bytes(result: Any, given: Any, module: nn.Module, max_nodes: int = 256) -> int:
+    """Bytes of the storages that the autograd graph from ``result`` back to ``given`` saves, other than those
+    of ``given`` and of ``module``'s parameters and buffers (NOTE [ Hooks the profile did not see ])."""
+    known: set[int] = set()
+    stop: set[int] = set()
+    for t in (*output_leaves(given), *module.parameters(), *module.buffers()):
+        if isinstance(t, torch.Tensor):
+            try:
+                known.add(t.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):
+                continue
+            if t.grad_fn is not None:
+                stop.add(id(t.grad_fn))
+    todo: list[Any] = [
+        t.grad_fn for t in output_leaves(result) if isinstance(t, torch.Tensor) and t.grad_fn is not None
+    ]
+    visited: set[int] = set()
+    found: dict[int, int] = {}
+    while todo and len(visited) < max_nodes:
+        node = todo.pop()
+        if node is None or id(node) in visited or id(node) in stop:
+            continue
+        visited.add(id(node))
+        for attr in dir(node):
+            if attr.startswith("_saved_"):
+                try:
+                    value = getattr(node, attr)
+                except RuntimeError:
+                    continue
+                for t in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(t, torch.Tensor):
+                        try:
+                            st = t.untyped_storage()
+                        except (RuntimeError, NotImplementedError):
+                            continue
+                        if st.data_ptr() not in known:
+                            found[st.data_ptr()] = st.nbytes()
+        todo.extend(fn for fn, _ in node.next_functions)
+    return sum(found.values())
+
+
+# Per model, RemovableHandle.next_id when its last remat.profile ended (NOTE [ Hooks the profile did not see ]).
+_PROFILED: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def note_profiled(model: nn.Module) -> None:
+    """Note that ``model`` was profiled now: hooks registered later are none its profile measured."""
+    _PROFILED[model] = RemovableHandle.next_id
+
+
+def hook_watch(
+    model: nn.Module, strategy: str, budget_bytes: int | None, predicted_peak_bytes: int | None
+) -> HookWatch | None:
+    """The :class:`HookWatch` of a plan applied to ``model`` now; ``None`` for a plan with no predicted peak."""
+    limit = budget_bytes if budget_bytes is not None else predicted_peak_bytes
+    if limit is None:
+        return None
+    since = _PROFILED.get(model, _PROFILED.get(unwrap(model), RemovableHandle.next_id))
+    what = "its budget" if budget_bytes is not None else "its predicted peak"
+    return HookWatch(since, strategy, limit // _SLACK, f"{what} {format_bytes(limit)}")
 
 
 def _check_members(model: nn.Module, _args: Any, _output: Any) -> None:
@@ -3804,6 +4059,9 @@ def attached(model: nn.Module) -> Attached | None:
 def detach(model: nn.Module) -> Any | None:
     """Undo :func:`attach`; returns its ``tag`` (``None`` when nothing was attached)."""
     host = holder(model)
+    entry = host.__dict__.get(_APPLIED_ATTR)
+    if isinstance(entry, Attached) and entry.hooks is not None:
+        _unwatch_hooks(host.modules(), entry.hooks)  # NOTE [ Hooks the profile did not see ]
     for key in [k for k, hook in host._forward_hooks.items() if hook is _check_members]:
         del host._forward_hooks[key]
     for key in [k for k, hook in host._forward_pre_hooks.items() if hook is _watch_hooks]:
@@ -3837,6 +4095,8 @@ def suspended(model: nn.Module) -> Iterator[None]:
                 allow_stateful=entry.allow_stateful,
                 allow_hooks=entry.allow_hooks,
                 sizes=entry.sizes,
+                trainable=entry.trainable,
+                hooks=entry.hooks,
             )
 
 
@@ -3919,3 +4179,9 @@ def observed(observer: Observer) -> Iterator[None]:
         yield
     finally:
         _LOCAL.observer = previous
+
+
+def _own_hook(hook: object) -> bool:
+    """Whether ``hook`` is one remat registers itself, or one ``HookWatch`` wrapped already (NOTE [ Hooks the
+    profile did not see ])."""
+    return hook is _check_members or hook is _watch_hooks or isinstance(hook, (_SavesChecked, SizeCheck))

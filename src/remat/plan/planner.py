@@ -167,6 +167,7 @@ def plan_from_ops(profile: Profile, ops: tuple[Op, ...], label: str, budget_byte
         baseline_step_ms=profile.step_ms,
         loop=profile.loop,
         input_bytes=tuple(bp.input_bytes for bp in profile.block_profiles),
+        trainable_params=profile.trainable_params or None,
     )
 
 

@@ -263,6 +263,9 @@ class Plan:
             (``BlockProfile.input_bytes``), which its budget and predicted figures are for: the applied
             model warns once when a block takes more (NOTE [ Batches larger than the profiled one ] in
             ``remat.core.runtime``; ``None``: planned without a profile, or written before plans recorded it).
+        trainable_params: Per block, how many of its modules' parameters required grad when its profile ran,
+            then how many of the other modules' did: the applied model warns once when more do (NOTE
+            [ Parameters unfrozen after planning ] in ``remat.blocks``; ``None``: not recorded).
     """
 
     schema_version: ClassVar[int] = 1
@@ -278,6 +281,7 @@ class Plan:
     baseline_step_ms: float | None = None
     loop: Loop | None = None
     input_bytes: tuple[int, ...] | None = None
+    trainable_params: tuple[int, ...] | None = None
 
     @property
     def checkpointed(self) -> tuple[int, ...]:
@@ -470,6 +474,7 @@ class Plan:
             "baseline_step_ms": self.baseline_step_ms,
             "loop": None if self.loop is None else {"grads": self.loop.grads.value, "optimizer": self.loop.optimizer},
             "input_bytes": None if self.input_bytes is None else list(self.input_bytes),
+            "trainable_params": None if self.trainable_params is None else list(self.trainable_params),
         }
 
     def to_json(self) -> str:
@@ -514,6 +519,12 @@ class Plan:
             raise reader.error(
                 f"{at}input_bytes",
                 f"has {len(plan.input_bytes)} entries, expected one per block ({len(plan.blocks)})",
+            )
+        if plan.trainable_params is not None and len(plan.trainable_params) != len(plan.blocks) + 1:
+            raise reader.error(
+                f"{at}trainable_params",
+                f"has {len(plan.trainable_params)} entries, expected one per block and one for the other modules "
+                f"({len(plan.blocks) + 1})",
             )
         return plan
 

@@ -17,11 +17,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from remat._progress import progress as show_progress
-from remat.blocks import Block, fingerprint, looped_hint, resolve
+from remat.blocks import Block, fingerprint, looped_hint, resolve, trainable_counts
 from remat.blocks import blocks as find_blocks
 from remat.core.ops import Keep, Op, Recompute, RecomputeOps
 from remat.core.probe import Event, Probe, probe, storages
-from remat.core.runtime import install, nested_plans, share_learning, suspended, uninstall
+from remat.core.runtime import install, nested_plans, note_profiled, share_learning, suspended, uninstall
 from remat.core.trace import (
     Grads,
     Iteration,
@@ -622,7 +622,8 @@ def profile(
         )
         for i, bp in enumerate(prof.block_profiles)
     )
-    prof = replace(prof, block_profiles=bps, is_chain=chain)
+    prof = replace(prof, block_profiles=bps, is_chain=chain, trainable_params=trainable_counts(model, block_list))
+    note_profiled(model)  # NOTE [ Hooks the profile did not see ] in remat.core.runtime
     # NOTE [ Twin blocks ]: blocks doing the same work share the medians of their times.
     return pool_twins(prof, twin_groups(members, prof))
 

@@ -336,6 +336,9 @@ class Profile:
             saves them in the plain step (:class:`LateInput`, measured with the blocks saving nothing;
             NOTE [ Outputs the model's code holds past their saving taker ] in ``remat.profile.profiler``), or
             saves a copy of them (``netted``: the plain step frees them where the code drops them).
+        trainable_params: Per block, how many of its modules' parameters required grad, then how many of the
+            other modules' did (NOTE [ Parameters unfrozen after planning ] in ``remat.blocks``; empty in
+            profiles written before it was recorded).
     """
 
     schema_version: ClassVar[int] = 1
@@ -365,6 +368,7 @@ class Profile:
     block_ops: tuple[BlockOps, ...] = ()
     late_inputs: tuple[LateInput, ...] = ()
     code_held_inputs: tuple[LateInput, ...] = ()
+    trainable_params: tuple[int, ...] = ()
 
     def sub_costs(self) -> dict[tuple[int, tuple[str, ...]], tuple[int, float, int, int]]:
         """For ``RecomputeSub``: (bytes freed, recompute ms, bytes its backward peak moves by beyond the
