@@ -596,6 +596,7 @@ def profile(
     gap_freed = _gap_freed_inputs(trace, tracked, n)
     gap_freed_out = _gap_freed_outputs(trace, tracked, n)
     gap_freed_unlinked = _gap_freed_inputs(trace, tracked, n, unlinked=True)
+    unsaved_unlinked = _unsaved_unlinked_bytes(trace, tracked, n)
     dropped = _dropped_outputs(trace, tracked, n)
     plain_frees = _plain_forward_frees(trace, n)  # NOTE [ Side outputs of a segment's last block ]
     dead, dead_late = _dead_saved(trace, tracked, n)
@@ -616,7 +617,7 @@ def profile(
             side_output_frees=_side_output_frees(side_frees[i], n, prof.head_peak_bytes, plain_frees[i]),
             reused_bytes=reused[i],
             unlinked_bytes=tracked.unlinked[i],
-            unsaved_input_bytes=tracked.unsaved_unlinked(i),
+            unsaved_input_bytes=unsaved_unlinked[i],
             generator_state_bytes=block_ops[i].generator_state_bytes if block_ops else 0,
             fresh_rng=block_ops[i].fresh_rng if block_ops else False,
         )
@@ -1240,6 +1241,52 @@ def _gap_freed_inputs(trace: MemoryTrace, tracked: Probe, n: int, unlinked: bool
             if span is not None and end < span[1] <= after:
                 out[i] += size
     return out
+
+
+def _unsaved_unlinked_bytes(trace: MemoryTrace, tracked: Probe, n: int) -> list[int]:
+    """Per block, the bytes of its inputs made between blocks that its forward does not save, less those the code
+    right before it made and the plain step keeps into the backward (``BlockProfile.unsaved_input_bytes``; NOTE
+    [ Unsaved inputs alive into the backward ]); all of those it does not save where the trace lacks the marks."""
+    marks = {name: ts[0] for name, ts in trace.mark_times().items()}
+    loss = marks.get("loss")
+    lives = trace.lifetimes()
+    out = []
+    for i in range(n):
+        start = marks.get(f"{Event.FORWARD}{i}")
+        gap = marks.get(f"{Event.FORWARD_END}{i - 1}") if i else None
+        if loss is None or start is None or gap is None:
+            out.append(tracked.unsaved_unlinked(i))
+            continue
+        total = 0
+        for ptr, size in tracked._unlinked_storages[i].items():
+            if ptr in tracked.saved[i]:
+                continue
+            span = next((lt for lt in lives.get(ptr, ()) if lt[0] <= start < lt[1]), None)
+            # Not charged: made by the code right before the block and alive into the backward. Charged: freed
+            # in the forward, made earlier (inside a block, which a plan may recompute: a dict it writes into),
+            # or not found (the safe side).
+            if span is None or span[1] <= loss or span[0] < gap:
+                total += size
+        out.append(total)
+    return out
+
+
+# NOTE [ Unsaved inputs alive into the backward ]
+# A segment starting at a block holds the block's inputs to its backward; of those made between blocks
+# (``unlinked_bytes``) and not saved by the block itself, the chain charges ``unsaved_input_bytes`` on top of
+# the level (``Chain.first_input_bytes``), for the plain step may free them in the forward (``x = f(y)``
+# rebinding ``x``) where the segment does not. One the plain step keeps into the backward (saved by the code or
+# a later block) is on the level already: the gap that made it charged it, and the chain releases it only at
+# the backward of the block before, after this block's. Charged again, it was counted twice from the block's
+# forward to its backward: a ResNet block split into its children, whose ``nn.Dropout(0.0)`` (diffusers'
+# ``ResnetBlock2D``) or ``nn.Identity`` returns the ``silu`` output the code made before it and the next conv
+# saves, put ``full()`` on a split diffusers ``UNet2DModel`` at 0.875 of its prediction (one activation per
+# layer too many; ``tests/plan/test_unsaved_input_kept.py``). So, by allocation lifetimes in the traced step,
+# one made by the code right before the block (after the previous block's forward ended) and freed only after
+# the loss is not charged: whatever keeps it (the code's own saves, a later block's saves or, under a plan, that
+# block's checkpoint holding its input) keeps it under every plan. One made inside an earlier block and handed
+# on another way (written into a dict the blocks share) is still charged: what kept it may be that block's
+# saved tensors, which a plan recomputing the block drops (tests/profile/test_argument_state.py).
 
 
 def _gap_freed_outputs(trace: MemoryTrace, tracked: Probe, n: int) -> list[int]:

@@ -194,7 +194,9 @@ class BlockProfile:
             tensors (``x + stage(x)`` made between blocks): a segment going on through it holds them.
         unsaved_input_bytes: The part of ``unlinked_bytes`` that its own forward does not save: the
             plain step may free it after the block (``x = 2 * y`` rebinding ``x``), but a segment
-            starting at this block holds it to its backward.
+            starting at this block holds it to its backward. Not what the code made right before the block
+            and the plain step keeps into the backward, which the level holds anyway (NOTE [ Unsaved inputs
+            alive into the backward ] in ``remat.profile.profiler``).
         generator_state_bytes: Bytes of the states of the generators of its own that its forward draws
             from (``torch.bernoulli(p, generator=self.g)``): a segment keeps a copy per call of it, to
             draw the same numbers in the replay (found by the per-op profile: 0 with ``ops=False``).
