@@ -69,8 +69,9 @@ or removed before the backward, is put as it was for the replay (its own hooks n
 sub-modules' do, as under torch's checkpoint, so a hook with side effects sees the replay too, one
 removed since included: a feature collector closed after the forward is called in the backward).
 So are the attributes of its modules and of the plain objects they hold that other code creates, rebinds
-or deletes between the call and the backward (NOTE [ Attributes other code sets ]). Globals other code
-rebinds are not seen; tensors edited in place are (NOTE [ Saved tensors edited before the backward ] in
+or deletes between the call and the backward (NOTE [ Attributes other code sets ]), and so are the globals
+and closure cells its code reads (NOTE [ Values a forward reads through its code ]); tensors edited in place
+are refused (NOTE [ Saved tensors edited before the backward ] in
 ``remat.core.versions``). A member that edits one of its tensor
 arguments in place is refused (its replay would edit it again). On the learning call a refusal puts
 back every buffer, argument and the RNG state first.
@@ -96,6 +97,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dis
 import functools
 import io
 import itertools
@@ -271,6 +273,13 @@ class _Role:
     # there at that call: each later call keeps the others weakly (NOTE [ Attributes other code sets ]).
     object_reads: frozenset[tuple[int, str]] | None = None
     object_names: frozenset[tuple[int, str]] = frozenset()
+    # (id of a slotted object, slot) its learning call rebound itself: a counter, left alone (NOTE [ Containers
+    # and slots of plain objects ]).
+    slots_written: frozenset[tuple[int, str]] = frozenset()
+    # Where its code reads globals, closure cells and a partial's containers, found on its first call (NOTE
+    # [ Values a forward reads through its code ]); None until then.
+    code_slots: _CodeSlots | None = None
+    code_written: frozenset[int] = frozenset()  # ids of the lists and dicts there its learning call edited itself
     # The keys of its forward (pre-)hooks remat has seen: those at install and those it watches since (NOTE
     # [ Hooks added after apply ]).
     hook_keys: set[int] = field(default_factory=set)
@@ -284,7 +293,8 @@ class _Role:
         state["learned"], state["stateful"], state["norms"], state["generators"] = False, frozenset(), None, ()
         state["param_slots"], state["py_rng"], state["attrs"], state["plain_names"] = None, False, (), None
         state["root"], state["reads"], state["object_reads"], state["object_names"] = None, (), None, frozenset()
-        state["tensor_reads"] = {}
+        state["tensor_reads"], state["slots_written"], state["code_slots"] = {}, frozenset(), None
+        state["code_written"] = frozenset()
         return state
 
 
@@ -1249,6 +1259,9 @@ class _Call:
     # name (NOTE [ Attributes other code sets ]).
     dicts: _Dicts = ()
     named: list[tuple[str, nn.Module]] = field(default_factory=list)
+    # The values its code reads through globals and closure cells at the call (NOTE [ Values a forward reads
+    # through its code ]).
+    code: _CodeValues | tuple[()] = ()
 
 
 class _Frame:
@@ -1340,6 +1353,7 @@ class _Frame:
                 dispatch_modes=_user_dispatch_modes(),
                 dicts=tree.dicts(role),
                 named=tree.named,
+                code=_code_values(role, tree),
             )
         )
         return len(self.calls) - 1
@@ -1853,10 +1867,12 @@ def _same_items(now: dict[Any, Any], before: dict[Any, Any]) -> bool:
 # stand-in that refuses any use (``_Gone``): exact or refused, never a later value. Tensors of a module,
 # and those set since the learning call: NOTE [ Tensor attributes a block only writes ]. A sub-module
 # replaced or removed since the call (``layer.act = nn.Tanh()``) is refused at the replay
-# (``_check_tree``): its recomputation would run another module. Not seen: a list or dict of a plain
-# object edited in place (a module's are: ``_plain_attrs``), objects without a ``__dict__``
-# (``__slots__``), and globals.
-_Dicts = tuple[tuple[dict[str, Any], dict[str, Any]], ...]  # (an object's __dict__, its copy at the call)
+# (``_check_tree``): its recomputation would run another module. Lists and dicts of plain objects edited in
+# place, objects without a ``__dict__`` (``__slots__``) and objects three levels down: NOTE [ Containers and
+# slots of plain objects ]; globals, closure cells: NOTE [ Values a forward reads through its code ].
+# (an object's __dict__, its copy at the call); also (a slotted object, its slots), (a list, its copy) and (a
+# dict an object holds, its copy): NOTE [ Containers and slots of plain objects ].
+_Dicts = tuple[tuple[Any, Any], ...]
 
 # Values of a module's __dict__ that are no plain object holding attributes, by type (the common ones, a
 # set lookup); ``_plain_object`` decides for the rest. remat's own entries (``_Role``, and ``_Dispatch``,
@@ -1906,11 +1922,12 @@ def _plain_object(value: Any) -> dict[str, Any] | None:
 def _dicts_at(
     modules: list[nn.Module], role: _Role | None, pending: dict[tuple[int, str], torch.Tensor] | None = None
 ) -> _Dicts:
-    """A shallow copy of the ``__dict__`` of each of ``modules`` and of the plain objects they hold, two levels
+    """A shallow copy of the ``__dict__`` of each of ``modules`` and of the plain objects they hold, three levels
     down, the objects' tensors that ``role``'s learning call did not read kept weakly (NOTE [ Attributes other
     code sets ]), and so the modules' tensors that no call of ``role`` read (NOTE [ Tensor attributes a block
-    only writes ]): those not decided yet go to ``pending``."""
-    out: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    only writes ]): those not decided yet go to ``pending``. Also the slots of objects without a ``__dict__``
+    and the small lists and dicts the objects hold (NOTE [ Containers and slots of plain objects ])."""
+    out: list[tuple[Any, Any]] = []
     level = []
     for sub in modules:
         d = sub.__dict__
@@ -1922,19 +1939,96 @@ def _dicts_at(
         if not _NOT_OBJECTS.issuperset(types):
             level.append(d)
     seen: set[int] = set()
-    for depth in range(2):
-        found = []
+    boxes: list[tuple[Any, Any]] = []
+    for depth in range(_OBJECT_DEPTH):
+        if not level:
+            break
+        found: list[tuple[Any, Any]] = []
         for d in level:
             if depth and _NOT_OBJECTS.issuperset(map(type, d.values())):  # no object in it (C code)
                 continue
             for value in d.values():
+                if type(value) in _NOT_OBJECTS or id(value) in seen:
+                    continue
                 od = _plain_object(value)
                 if od is not None and id(od) not in seen:
                     seen.add(id(od))
-                    found.append(od)
-        out += [(od, _object_copy(od, role, pending)) for od in found]
-        level = found
-    return tuple(out)
+                    found.append((od, _object_copy(od, role, pending)))
+                if _slot_names(type(value)) and id(value) not in seen:
+                    seen.add(id(value))  # NOTE [ Containers and slots of plain objects ]
+                    found.append((value, _slots_copy(value, role, pending)))
+        for _, then in found:
+            if not _NO_BOXES.issuperset(map(type, then.values())):  # a list or dict in it (C code)
+                boxes += _boxes(then, role, pending, seen)
+        out += found
+        level = [then for _, then in found]
+    return (*out, *boxes)
+
+
+# NOTE [ Containers and slots of plain objects ]
+# NOTE [ Attributes other code sets ] kept per call a shallow copy of the ``__dict__`` of the plain objects a
+# member's modules hold, two levels down. Three forms still gave a replay other values than the call, silently
+# (helper-126, ``repro_patterns.py``: 82-98 of 99 outputs, gradients and parameters off over 3 SGD steps
+# under ``remat.full()``, ``segments(2)``, the smallest optimal plan and split blocks): a list or dict such an
+# object holds edited in place by the model's code between blocks or before the backward
+# (``state.lst[0] = h.mean()``, ``state.d["k"] = ...``, ``state.scales.append(...)`` read as
+# ``scales[-1]``): the copy held the same list; an object without a ``__dict__`` (``__slots__``) whose slots
+# the model rebinds; an object three levels down (``state.a.b.gain``). So each call also copies the small
+# lists and dicts (<= 64 items, ``_BOX_ITEMS``) those objects hold, and the slots of slotted objects, three
+# levels down (``_OBJECT_DEPTH``); a replay whose list, dict or slots changed since the call gets the call's
+# items for itself, in place, and the current ones back after, as for the objects' ``__dict__``s (what the
+# replay appends, an aux loss, does not stay). A dict's tensors its learning call did not read are kept
+# weakly, as an object's (``_object_copy``); a list's items are kept as they are (what the list holds anyway).
+# Slots the member's learning call itself rebinds to a value that is no tensor are left out: an object without
+# a ``__dict__`` is where a model (and remat's tests) counts replays (``self.tally.n += 1``), documented since
+# helper-118; so a plain value a block both reads and rebinds in a slot is not seen (a tensor is: a running
+# average in a slot is set back for the replay, as on a module). Cost: none for a
+# module that holds no plain object (the type scan above); a scan of each object's values per call
+# otherwise, and a copy of each small list or dict it holds.
+_OBJECT_DEPTH = 3
+_BOX_ITEMS = 64
+_SLOTS: dict[type, tuple[str, ...]] = {}
+# Values that are no list or dict (a set lookup per value, C code): an object's other values.
+_NO_BOXES: set[type] = {t for t in _NOT_OBJECTS if t not in (list, dict, collections.OrderedDict)}
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    """The slots ``cls`` declares (a slotted plain object; with or without a ``__dict__``), else ()."""
+    names = _SLOTS.get(cls)
+    if names is None:
+        names = ()
+        if not issubclass(cls, _NO_OBJECT_TYPES) and not _library(cls.__module__):
+            found = [vars(k).get("__slots__", ()) for k in cls.__mro__]
+            names = tuple(
+                n
+                for slots in found
+                for n in ((slots,) if isinstance(slots, str) else slots)
+                if n not in ("__weakref__", "__dict__")
+            )
+        _SLOTS[cls] = names
+    return names
+
+
+def _slots_copy(obj: Any, role: _Role | None, pending: dict[tuple[int, str], torch.Tensor] | None) -> dict[str, Any]:
+    """The slots of ``obj`` at the call, as ``_object_copy`` keeps an object's ``__dict__``; those the member's
+    learning call rebound itself (a counter) left out (NOTE [ Containers and slots of plain objects ])."""
+    written = role.slots_written if role is not None else frozenset()
+    key = id(obj)
+    values = {n: getattr(obj, n, _MISSING) for n in _slot_names(type(obj)) if (key, n) not in written}
+    return _object_copy(values, role, pending, key)
+
+
+def _boxes(then: dict[str, Any], role: _Role | None, pending: Any, seen: set[int]) -> list[tuple[Any, Any]]:
+    """The small lists and dicts among an object's values, each with a copy (NOTE [ Containers and slots of
+    plain objects ])."""
+    out: list[tuple[Any, Any]] = []
+    for value in then.values():
+        kind = type(value)
+        if (kind is list or kind is dict or kind is collections.OrderedDict) and id(value) not in seen:
+            if len(value) <= _BOX_ITEMS:
+                seen.add(id(value))
+                out.append((value, value.copy() if kind is list else _object_copy(value, role, pending)))
+    return out
 
 
 # NOTE [ Tensor attributes a block only writes ]
@@ -2072,7 +2166,10 @@ class _ReadWatch(TorchDispatchMode):
 
 
 def _object_copy(
-    d: dict[str, Any], role: _Role | None, pending: dict[tuple[int, str], torch.Tensor] | None
+    d: dict[str, Any],
+    role: _Role | None,
+    pending: dict[tuple[int, str], torch.Tensor] | None,
+    key: int | None = None,
 ) -> dict[str, Any]:
     """A plain object's ``__dict__`` as a call keeps it: the tensors ``role``'s learning call did not read there
     (a cache the block writes) weakly, so as not to hold them to the backward; those it read (a gain, an
@@ -2082,7 +2179,8 @@ def _object_copy(
     reads = role.object_reads if role is not None else None
     if reads is None:
         return copy
-    key, names = id(d), role.object_names  # type: ignore[union-attr]
+    # ``key``: the object's id where ``d`` is a copy of its slots (NOTE [ Containers and slots of plain objects ]).
+    key, names = id(d) if key is None else key, role.object_names  # type: ignore[union-attr]
     for name, value in d.items():
         if isinstance(value, torch.Tensor):
             if (key, name) in names:
@@ -2101,7 +2199,24 @@ def _object_copy(
 def _learn_object_reads(role: _Role, dicts: _Dicts, modules: int) -> None:
     """After a learning call: the tensors of plain objects it read, by (object, name) (``_object_copy``)."""
     ids = {id(t) for t in (ref() for ref in role.reads) if t is not None}
-    objects = dicts[modules:]
+    objects = [(d, then) for d, then in dicts[modules:] if type(then) is not list]
+    # NOTE [ Containers and slots of plain objects ]: slots the call rebound itself (a counter) are left out,
+    # of this call's record too.
+    written = set(role.slots_written)
+    for d, then in objects:
+        if not isinstance(d, dict):
+            # A counter (``self.tally.n += 1``); a tensor the call rebinds (a running value it reads) is set back.
+            mine = [
+                n
+                for n, v in then.items()
+                if (now := getattr(d, n, _MISSING)) is not v
+                and not isinstance(v, torch.Tensor)
+                and not isinstance(now, torch.Tensor)
+            ]
+            written.update((id(d), n) for n in mine)
+            for n in mine:
+                del then[n]
+    role.slots_written = frozenset(written)
     role.object_names = frozenset((id(d), name) for d, then in objects for name in then)
     role.object_reads = frozenset(
         (id(d), name) for d, then in objects for name, value in then.items() if id(value) in ids
@@ -2117,10 +2232,13 @@ class _DictsAs:
     def __init__(self, recorded: _Dicts, modules: int) -> None:
         # ``modules``: how many of ``recorded`` are modules' (``_BindingsKept`` puts back what a replay binds there).
         self.recorded, self.modules = recorded, modules
-        self.now: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        self.now: list[tuple[Any, Any]] = []
 
     def __enter__(self) -> None:
         for k, (d, then) in enumerate(self.recorded):
+            if type(d) is not dict and k >= self.modules:
+                self._enter_other(d, then)
+                continue
             if _same_items(d, then):
                 if k >= self.modules:  # an object's: what the replay binds there is put back too
                     self.now.append((d, then))
@@ -2134,9 +2252,364 @@ class _DictsAs:
                 if name not in _OWN_ENTRIES and d.get(name, _MISSING) is not value:
                     d[name] = value
 
+    def _enter_other(self, d: Any, then: Any) -> None:
+        # A list an object holds, or a slotted object (NOTE [ Containers and slots of plain objects ]).
+        if type(d) is list:
+            self.now.append((d, d.copy()))
+            if len(d) != len(then) or not all(map(operator.is_, d, then)):
+                d[:] = then
+        elif isinstance(d, dict):  # an OrderedDict
+            self.now.append((d, d.copy()))
+            if not _same_items(d, then):
+                d.clear()
+                d.update((n, v.get(n, _OF_OBJECT) if type(v) is _Weak else v) for n, v in then.items())
+        else:
+            self.now.append((d, {n: getattr(d, n, _MISSING) for n in then}))
+            _set_slots(d, then)
+
     def __exit__(self, *exc: object) -> None:
         for d, was in self.now:
-            _restore_entries(d, was)
+            if type(d) is dict:
+                _restore_entries(d, was)
+            elif type(d) is list:
+                if len(d) != len(was) or not all(map(operator.is_, d, was)):
+                    d[:] = was
+            elif isinstance(d, dict):
+                if not _same_items(d, was):
+                    d.clear()
+                    d.update(was)
+            else:
+                _set_slots(d, was)
+
+
+def _set_slots(obj: Any, values: dict[str, Any]) -> None:
+    """Bind ``obj``'s slots to ``values`` (an absent one deleted) where they differ."""
+    for name, value in values.items():
+        if type(value) is _Weak:
+            value = value.get(name, _OF_OBJECT)
+        if getattr(obj, name, _MISSING) is value:
+            continue
+        if value is _MISSING:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, value)
+
+
+# NOTE [ Values a forward reads through its code ]
+# NOTE [ Attributes other code sets ] covers what a block reaches through ``self``. A forward also reads
+# values through its code: a module-level global (``h * SCALE``, ``h * GAIN``, ``GLIST[0]``), an attribute
+# of a user's Python module (``h * config.SCALE``), a closure cell (a helper closing over a value that
+# ``nonlocal`` rebinds), the list a ``functools.partial`` the block holds was given. Rebound or edited
+# between the call and the backward (a training loop setting ``SCALE``, the model between blocks), the
+# replay read the later value: 82-98 of 99 outputs, gradients and parameters off over 3 SGD steps
+# (helper-126, ``repro_patterns.py``; a float global only where a later member of a segment takes the
+# output: a Python scalar's multiply saves no tensor that depends on it). So the first call of a member
+# finds, once (0.2-0.4 ms a role), where its code reads such values (``_code_slots``): the functions of its
+# modules' classes (not torch's own) and instance functions, the member's ``forward`` from before ``apply``,
+# and, from those, the Python functions and ``partial``s they reach through globals and closure cells, four
+# levels down (not torch's, numpy's, the standard library's or remat's); a name of a code object (nested
+# ones included) that the function's globals or an imported user module binds to a primitive, a plain
+# tensor or a small list, tuple or dict of them (``_kept_value``) is a slot, as is each closure cell holding
+# such a value and each list or dict a ``partial`` holds. Each call keeps the slots' values (C code), and
+# copies of the lists and dicts among them; a replay where one was rebound or edited gets the call's for
+# itself and the current ones back after (``_CodeAs``; what the replay rebinds is put back too: a global
+# counter counts the forward's calls, as in the plain model). Names and cells the code only stores (``dis``:
+# no load in any of its code objects; a cache ``global LAST; LAST = h``) are not kept per call, which would
+# hold the previous block's tensor to the backward, charged nowhere: only put back after a replay (the
+# replay's tensor, with its graph, does not stay bound). A list or dict the learning call edits itself
+# (a call log passed in a ``partial``) is left alone: it sees the replays, as a slotted object's counter does
+# (NOTE [ Containers and slots of plain objects ]). Cost: none for a block whose code reads no such value
+# (nn.Linear, GELU, workload A's layer: ``_code_values`` returns ``()``, the replay enters ``_NOTHING``); a
+# tuple of lookups per call otherwise (an HF layer: about 20 cells of its decorators, their arguments). Not
+# seen: a value read through an object the code fetches at run time (``getattr(sys.modules[...], name)``, a
+# class attribute), a list of more than 64 items, code that is not Python (a C extension's state), and
+# functions reached only through an attribute of an object (``self.helper.fn``) rather than a global.
+_CODE_DEPTH = 4
+_CODE_FUNCTIONS = 256
+_LIBRARY_ROOTS = frozenset({"torch", "numpy", "remat", "functorch", "triton", *sys.stdlib_module_names})
+_CELL = operator.attrgetter("cell_contents")
+_FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)
+
+
+def _library(name: Any) -> bool:
+    return not isinstance(name, str) or name.partition(".")[0] in _LIBRARY_ROOTS
+
+
+@dataclass(frozen=True, eq=False)
+class _CodeSlots:
+    """Where a member's code reads values outside its modules (NOTE [ Values a forward reads through its code ])."""
+
+    cells: tuple[Any, ...] = ()  # closure cells
+    spaces: tuple[dict[str, Any], ...] = ()  # a globals dict or a user module's __dict__ ...
+    names: tuple[str, ...] = ()  # ... and the name read there
+    boxes: tuple[Any, ...] = ()  # the lists and dicts a ``partial`` was given
+    # Cells and names the code only writes (a cache ``global LAST; LAST = h``): not kept per call (a tensor
+    # there would be held to the backward), only put back after a replay.
+    written: tuple[tuple[Any, ...], ...] = ()
+
+    def values(self) -> tuple[Any, ...]:
+        """The cells' contents then the names' bindings, now (C code; an empty cell or absent name: ``_MISSING``)."""
+        try:
+            cells = tuple(map(_CELL, self.cells))
+        except ValueError:  # an empty cell
+            cells = tuple(_cell_value(c) for c in self.cells)
+        return cells + tuple(space.get(name, _MISSING) for space, name in zip(self.spaces, self.names))
+
+    def bind(self, k: int, value: Any) -> None:
+        """Bind value ``k`` of ``values()``."""
+        n = len(self.cells)
+        if k < n:
+            if value is _MISSING:
+                del self.cells[k].cell_contents
+            else:
+                self.cells[k].cell_contents = value
+        elif value is _MISSING:
+            self.spaces[k - n].pop(self.names[k - n], None)
+        else:
+            self.spaces[k - n][self.names[k - n]] = value
+
+
+def _cell_value(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _MISSING
+
+
+def _code_slots(modules: list[nn.Module]) -> _CodeSlots:
+    """Where the code of ``modules`` reads globals, closure cells and a ``partial``'s containers (NOTE [ Values a
+    forward reads through its code ])."""
+    work: list[tuple[Any, int]] = []
+    for sub in modules:
+        role = sub.__dict__.get("_remat_role")
+        if role is not None and role.previous_forward is not None:
+            work.append((role.previous_forward, 0))
+        work += [(v, 0) for v in sub.__dict__.values() if isinstance(v, _FUNCTIONS)]
+        for cls in type(sub).__mro__:
+            if cls is nn.Module or _library(cls.__module__):
+                continue
+            for v in vars(cls).values():
+                if isinstance(v, (staticmethod, classmethod)):
+                    v = v.__func__
+                elif isinstance(v, property):
+                    v = v.fget
+                if isinstance(v, types.FunctionType):
+                    work.append((v, 0))
+    cells: dict[int, Any] = {}
+    names: dict[tuple[int, str], tuple[dict[str, Any], str]] = {}
+    written: dict[tuple[int, str], tuple[Any, ...]] = {}
+    boxes: dict[int, Any] = {}
+    done: set[int] = set()
+    while work and len(done) < _CODE_FUNCTIONS:
+        fn, depth = work.pop()
+        if id(fn) in done or depth > _CODE_DEPTH:
+            continue
+        done.add(id(fn))
+        if isinstance(fn, types.MethodType):
+            work.append((fn.__func__, depth))
+        elif isinstance(fn, functools.partial):
+            work.append((fn.func, depth + 1))
+            for v in (*fn.args, *fn.keywords.values()):
+                if type(v) in (list, dict) and len(v) <= _BOX_ITEMS:
+                    boxes[id(v)] = v
+                elif isinstance(v, _FUNCTIONS):
+                    work.append((v, depth + 1))
+        elif isinstance(fn, types.FunctionType) and not _library(fn.__globals__.get("__name__")):
+            loads, stores = _loads_and_stores(fn.__code__)
+            _code_reads(fn.__code__, fn.__globals__, depth, names, work, loads, stores, written)
+            for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+                v = _cell_value(cell)
+                if isinstance(v, _FUNCTIONS):
+                    work.append((v, depth + 1))
+                elif v is not _MISSING and not _kept_value("", v):
+                    continue
+                elif name in loads:
+                    cells[id(cell)] = cell
+                elif name in stores:
+                    written[(id(cell), "")] = (cell,)
+    for key in (*names, *((id(c), "") for c in cells.values())):
+        written.pop(key, None)
+    spaces = tuple(space for space, _ in names.values())
+    return _CodeSlots(
+        tuple(cells.values()),
+        spaces,
+        tuple(name for _, name in names.values()),
+        tuple(boxes.values()),
+        tuple(written.values()),
+    )
+
+
+def _loads_and_stores(code: types.CodeType) -> tuple[set[str], set[str]]:
+    """The names a code object (and those in it) loads, and those it only stores or deletes (``dis``; once per role)."""
+    loads: set[str] = set()
+    stores: set[str] = set()
+    todo = [code]
+    while todo:
+        c = todo.pop()
+        for ins in dis.get_instructions(c):
+            if isinstance(ins.argval, str):
+                if ins.opname.startswith("LOAD"):
+                    loads.add(ins.argval)
+                elif ins.opname.startswith(("STORE", "DELETE")):
+                    stores.add(ins.argval)
+        todo += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    return loads, stores
+
+
+def _code_reads(
+    code: types.CodeType,
+    g: dict[str, Any],
+    depth: int,
+    found: dict[tuple[int, str], tuple[dict[str, Any], str]],
+    work: list[tuple[Any, int]],
+    loads: set[str],
+    stores: set[str],
+    written: dict[tuple[int, str], tuple[Any, ...]],
+) -> None:
+    """The names a code object (and the code objects in it) reads through globals (``_code_slots``), and those it
+    only writes."""
+    names = code.co_names
+    spaces = [g]
+    for name in names:
+        v = g.get(name, _MISSING)
+        if isinstance(v, types.ModuleType) and not _library(v.__name__):
+            spaces.append(vars(v))  # ``config.SCALE``: an attribute of a user's module
+    for space in spaces:
+        for name in names:
+            v = space.get(name, _MISSING)
+            if v is _MISSING or name.startswith("__"):
+                continue
+            if isinstance(v, (types.FunctionType, functools.partial)):
+                work.append((v, depth + 1))
+            elif isinstance(v, (nn.Module, types.ModuleType, type)) or not _kept_value(name, v):
+                continue
+            elif name in loads:
+                found[(id(space), name)] = (space, name)
+            elif name in stores:
+                written[(id(space), name)] = (space, name)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _code_reads(const, g, depth, found, work, loads, stores, written)
+
+
+# What a call keeps of its code slots: their values, and copies of the lists and dicts among them and of the
+# partials' ones, as (the list or dict, its copy).
+_CodeValues = tuple[tuple[Any, ...], tuple[tuple[Any, Any], ...]]
+
+
+def _code_values(role: _Role, tree: _Tree) -> _CodeValues | tuple[()]:
+    """The values of the member's code slots at the call (NOTE [ Values a forward reads through its code ])."""
+    slots = role.code_slots
+    if slots is None:
+        slots = role.code_slots = _code_slots(tree.modules())
+    if not slots.cells and not slots.names and not slots.boxes:
+        return _WRITES_ONLY if slots.written else ()
+    values = slots.values()
+    if not slots.boxes and _NO_BOXES.issuperset(map(type, values)):  # no list or dict among them (C code)
+        return values, ()
+    copies = tuple((v, v.copy()) for v in (*values, *slots.boxes) if type(v) is list or type(v) is dict)
+    return values, copies
+
+
+_WRITES_ONLY: _CodeValues = ((), ())  # a member whose code only writes globals or cells: put back after a replay
+
+
+def _learn_code_writes(role: _Role, recorded: _CodeValues | tuple[()]) -> None:
+    """After a learning call: the lists and dicts reached through its code that the call itself edited (a call
+    log passed in a ``partial``) are left alone by replays (NOTE [ Values a forward reads through its code ])."""
+    if recorded:
+        role.code_written = frozenset(id(box) for box, then in recorded[1] if not _same_box(box, then))
+
+
+def _same_box(now: Any, then: Any) -> bool:
+    if type(now) is list:
+        return len(now) == len(then) and all(map(operator.is_, now, then))
+    return _same_items(now, then)
+
+
+def _set_box(box: Any, items: Any) -> None:
+    if type(box) is list:
+        box[:] = items
+    else:
+        box.clear()
+        box.update(items)
+
+
+class _CodeAs:
+    """Binds the values a member's code reads (globals, closure cells, lists and dicts there and in a partial) as
+    they were at the call for a replay, and the current ones back after (NOTE [ Values a forward reads through its
+    code ], NOTE [ Context managers of a replay ])."""
+
+    __slots__ = ("role", "recorded", "now", "boxes", "written")
+
+    def __init__(self, role: _Role, recorded: _CodeValues) -> None:
+        self.role, self.recorded = role, recorded
+        self.now: tuple[Any, ...] = ()
+        self.boxes: list[tuple[Any, Any]] = []
+        self.written: list[tuple[tuple[Any, ...], Any]] = []
+
+    def __enter__(self) -> None:
+        slots = self.role.code_slots
+        assert slots is not None
+        self.written = [(slot, _written_value(slot)) for slot in slots.written]
+        then, copies = self.recorded
+        self.now = now = slots.values()
+        if not all(map(operator.is_, now, then)):
+            for k, (a, b) in enumerate(zip(now, then)):
+                if a is not b:
+                    slots.bind(k, b)
+        written = self.role.code_written
+        for box, items in copies:
+            if id(box) not in written:
+                self.boxes.append((box, box.copy()))
+                if not _same_box(box, items):
+                    _set_box(box, items)
+
+    def __exit__(self, *exc: object) -> None:
+        for box, items in self.boxes:
+            if not _same_box(box, items):
+                _set_box(box, items)
+        slots = self.role.code_slots
+        assert slots is not None
+        now = slots.values()
+        if not all(map(operator.is_, now, self.now)):
+            for k, (a, b) in enumerate(zip(now, self.now)):
+                if a is not b:
+                    slots.bind(k, b)
+        for slot, was in self.written:
+            if _written_value(slot) is not was:
+                _bind_written(slot, was)
+
+
+def _written_value(slot: tuple[Any, ...]) -> Any:
+    return _cell_value(slot[0]) if len(slot) == 1 else slot[0].get(slot[1], _MISSING)
+
+
+def _bind_written(slot: tuple[Any, ...], value: Any) -> None:
+    if len(slot) == 1:
+        if value is _MISSING:
+            del slot[0].cell_contents
+        else:
+            slot[0].cell_contents = value
+    elif value is _MISSING:
+        slot[0].pop(slot[1], None)
+    else:
+        slot[0][slot[1]] = value
+
+
+class _Nothing:
+    """A context manager that does nothing (a replay with no code slots: one shared instance)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+_NOTHING = _Nothing()
 
 
 def _restore_entries(d: dict[str, Any], was: dict[str, Any]) -> None:
@@ -2196,6 +2669,7 @@ def _replay_call(call: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         with (
             _BindingsKept(tree),
             _DictsAs(call.dicts, len(call.named)),
+            _CodeAs(role, call.code) if call.code else _NOTHING,
             _AutocastAs(call.autocast),
             _FlagsAs(call.flags),
             _AttrsAs(call.modes + call.attrs),
@@ -2610,6 +3084,7 @@ def _guarded_recompute(
     grads = [(p, p.requires_grad) for p in tree.parameters()]
     plain = tuple(a for a in _plain_attrs(module, role) if a[1] != "training")  # at the call
     dicts = tree.dicts(role)  # NOTE [ Attributes other code sets ]
+    code = _code_values(role, tree)  # NOTE [ Values a forward reads through its code ]
     pending.update(tree.pending)  # NOTE [ Tensor attributes a block only writes ]: the caller watches the call
     hooks = _hooks_at(tree)
     params = _param_refs(module, role)  # NOTE [ Parameters under recomputation ]: the forward's tensors
@@ -2660,6 +3135,7 @@ def _guarded_recompute(
                 torch.inference_mode(False),
                 _BindingsKept(now),
                 _DictsAs(dicts, len(tree.named)),
+                _CodeAs(role, code) if code else _NOTHING,
                 _FlagsAs(flags),
                 _AttrsAs(plain + (_attrs_changed(attrs) if learning else attrs)),
                 _HooksAs(now, hooks),
@@ -2878,6 +3354,7 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
     learning_dicts = _dicts_at(own, role) if not role.learned else ()  # NOTE [ Attributes other code sets ]
     saved: list[Saved] = []  # NOTE [ Saved tensors edited before the backward ] in remat.core.versions
     pending: dict[tuple[int, str], torch.Tensor] = {}  # NOTE [ Tensor attributes a block only writes ]
+    code_at_call = _code_values(role, _Tree(module)) if not role.learned else ()
     forward = _guarded_recompute(module, role, attrs, saved, pending)
     read_watch = _ReadWatch(pending) if pending and role.learned else None
     with watch, read_watch or contextlib.nullcontext(), higher_order_refused(f"apply: module {role.name!r}", _HOP_FIX):
@@ -2915,6 +3392,7 @@ def _run_policy(module: nn.Module, role: _Role, args: tuple[Any, ...], kwargs: d
         role.learned, role.learned_training = True, module.training
         role.reads = watch.all_reads
         _learn_object_reads(role, learning_dicts, len(own))
+        _learn_code_writes(role, code_at_call)  # NOTE [ Values a forward reads through its code ]
         _learn_tensor_reads(role, pending, {id(t) for t in (ref() for ref in role.reads) if t is not None})
         updated = [t for t in (ref() for ref in watch.updated.values()) if t is not None]
         if updated:
@@ -3062,6 +3540,7 @@ def _invoke(
         role.generators = tuple(gen for gen, _ in watch.found.values())
         role.reads = watch.all_reads
         _learn_object_reads(role, tree.dicts(role), len(tree.named))  # NOTE [ Attributes other code sets ]
+        _learn_code_writes(role, recorded[0][0].calls[recorded[0][1]].code if recorded else ())
         _learn_tensor_reads(role, tree.pending, {id(t) for t in (ref() for ref in role.reads) if t is not None})
         role.fills_saved = role.fills_saved or watch.fills_made
         updated = [t for t in (ref() for ref in watch.updated.values()) if t is not None]
