@@ -597,6 +597,16 @@ def reached_ops(chain: Chain, ops: tuple[Op, ...]) -> tuple[Op, ...]:
     return tuple(out)
 
 
+def _no_op_checkpoints(chain: Chain, ops: tuple[Op, ...]) -> bool:
+    """Whether every ``Recompute`` of ``ops`` over a block the backward does not reach is over blocks that return
+    no tensor requiring a gradient only (frozen blocks taking no gradient: the checkpoint holds nothing)."""
+    return all(
+        not any(chain.output_grad[q] for q in range(op.start, op.stop))
+        for op in ops
+        if isinstance(op, Recompute) and not all(chain.reached[q] for q in range(op.start, op.stop))
+    )
+
+
 def _step(chain: Chain, ops: tuple[Op, ...], sub_costs: SubCosts | None, sub_held: SubHeld | None) -> _Simulator:
     """One iteration of ``ops`` through the simulator: the forward, the head, the backward."""
     sim = _Simulator(chain, sub_costs, sub_held)
@@ -643,7 +653,14 @@ def simulate(
     # a peak they cannot lower (full() on Encodec measured 1.05x, sqrt() 1.57x its prediction).
     kept_ops = reached_ops(chain, ops)
     if kept_ops != ops:
-        peak = max(peak, _step(chain, kept_ops, sub_costs, sub_held).peak)
+        kept = _step(chain, kept_ops, sub_costs, sub_held)
+        if _no_op_checkpoints(chain, ops):
+            # NOTE [ Blocks whose outputs need no gradient ] in remat.core.probe: such a checkpoint holds
+            # nothing and never replays; the plan runs as the one keeping those blocks.
+            sim = kept
+            peak = max(kept.peak, chain.pre_peak_bytes, chain.base_bytes + chain.tail_peak_bytes)
+        else:
+            peak = max(peak, kept.peak)
     once_ms = float(sum(chain.fwd_ms)) + float(sum(chain.bwd_ms))
     return Simulation(peak_bytes=int(peak), total_ms=once_ms + sim.extra_ms, extra_ms=sim.extra_ms)
 

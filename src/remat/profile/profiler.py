@@ -597,7 +597,9 @@ def profile(
     gap_freed_out = _gap_freed_outputs(trace, tracked, n)
     gap_freed_unlinked = _gap_freed_inputs(trace, tracked, n, unlinked=True)
     unsaved_unlinked = _unsaved_unlinked_bytes(trace, tracked, n)
+    unlinked_made = _unlinked_made(trace, tracked, n)
     dropped = _dropped_outputs(trace, tracked, n)
+    older_out = _gap_freed_older_outputs(trace, tracked, n, dropped)
     plain_frees = _plain_forward_frees(trace, n)  # NOTE [ Side outputs of a segment's last block ]
     dead, dead_late = _dead_saved(trace, tracked, n)
     bps = tuple(
@@ -607,6 +609,8 @@ def profile(
             gap_freed_input_bytes=gap_freed[i],
             gap_freed_output_bytes=gap_freed_out[i],
             gap_freed_unlinked_bytes=gap_freed_unlinked[i],
+            unlinked_made_bytes=unlinked_made[i],
+            gap_freed_older_outputs=older_out[i],
             dropped_output_frees=dropped[i],
             dead_saved_frees=dead[i],
             dead_head_late_bytes=dead_late[i],
@@ -1222,6 +1226,23 @@ def _gaps_of(
             yield i, (start, end, after), lives
 
 
+def _unlinked_made(trace: MemoryTrace, tracked: Probe, n: int) -> list[int]:
+    """Per block, the bytes of its inputs made between blocks (``unlinked_bytes``) whose storages the code after
+    the previous block allocated, alive when the block starts (``BlockProfile.unlinked_made_bytes``; 0 for the
+    first block). By allocation lifetimes: a view of the previous block's output is no allocation of the gap."""
+    marks = {name: ts[0] for name, ts in trace.mark_times().items()}
+    # Where the head runs: a storage freed there is left out (NOTE [ Unlinked inputs made in the gap ]).
+    head = (marks.get(f"{Event.FORWARD_END}{n - 1}"), marks.get(f"{Event.BACKWARD}{n - 1}"))
+    out = [0] * n
+    for i, (_start, end, after), lives in _gaps_of(trace, n):
+        for ptr, size in tracked._unlinked_storages[i + 1].items():
+            span = next((lt for lt in lives.get(ptr, ()) if end <= lt[0] < after < lt[1]), None)
+            if span is None or head[0] is None or head[1] is None or head[0] <= span[1] <= head[1]:
+                continue
+            out[i + 1] += size
+    return out
+
+
 def _gap_freed_inputs(trace: MemoryTrace, tracked: Probe, n: int, unlinked: bool = False) -> list[int]:
     """Per block, the bytes of its inputs that the code after it frees before the next block starts
     (``BlockProfile.gap_freed_input_bytes``; 0 for the last block, whose gap is the head's); with
@@ -1309,6 +1330,35 @@ def _gap_freed_outputs(trace: MemoryTrace, tracked: Probe, n: int) -> list[int]:
             if span is not None and span[1] <= after:
                 out[i] += size
     return out
+
+
+def _gap_freed_older_outputs(
+    trace: MemoryTrace, tracked: Probe, n: int, dropped: list[tuple[tuple[int, int], ...]]
+) -> list[tuple[tuple[int, int], ...]]:
+    """Per block ``k``, ``(p, bytes)`` of the own outputs of each earlier block ``p`` that the code after ``k``
+    frees before the next block starts (``BlockProfile.gap_freed_older_outputs``): a split layer's ``h = a(x)``
+    that the model's code holds until ``b(h * 2 + 1)`` returns. By allocation lifetimes: made in ``p``'s forward,
+    alive at its end. Not a block's outputs that ``dropped_output_frees`` books (the chain frees those right
+    after their block)."""
+    out: list[dict[int, int]] = [{} for _ in range(n)]
+    gaps = {i: (start, end, after) for i, (start, end, after), _lives in _gaps_of(trace, n)}
+    lives = trace.lifetimes() if gaps else {}
+    for p, (p0, p1, _) in gaps.items():
+        if dropped[p]:
+            continue
+        for ptr, size in tracked.outputs[p].items():
+            if ptr in tracked.inputs[p]:
+                continue  # passed through: not its own output
+            span = next((lt for lt in lives.get(ptr, ()) if p0 <= lt[0] <= p1 < lt[1]), None)
+            if span is None:
+                continue
+            for k in range(p + 1, n - 1):
+                if k in gaps and gaps[k][1] < span[1] <= gaps[k][2]:
+                    # Not an input of a block up to k: gap_freed_input_bytes and the late inputs count those.
+                    if not any(ptr in tracked.inputs[j] for j in range(p + 1, k + 1)):
+                        out[k][p] = out[k].get(p, 0) + size
+                    break
+    return [tuple(sorted(d.items())) for d in out]
 
 
 def _loss_marked(loss_fn: Callable[[Any], torch.Tensor]) -> Callable[[Any], torch.Tensor]:
@@ -1943,6 +1993,7 @@ def _assemble(
                 edits_own_link=tracked.edits_input[i] and tracked.edits_own_link[i],
                 grad_bytes=grads[i],
                 backward=not tracked.unreached(i),
+                output_grad=tracked.out_grad[i],
             )
         )
     start0, last_end = mt(Event.FORWARD, 0), mt(Event.FORWARD_END, n - 1)

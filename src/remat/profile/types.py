@@ -118,6 +118,14 @@ class BlockProfile:
             ``chain_of`` adds back what it books as freed right after the block that the plain step frees later
             (``dropped_output_frees``, ``dead_saved_frees``): the level it tracks lacks those, the real one at
             the backward's start holds what the head keeps above it.
+        unlinked_made_bytes: The part of ``unlinked_bytes`` that the code after the previous block allocated
+            (by allocation lifetimes: made in that gap and alive when the block starts), which the previous
+            block's ``gap_bytes`` counts too (NOTE [ Unlinked inputs made in the gap ] in ``remat.plan.chain``;
+            0 for the first block, and for a view the code takes of the previous block's output).
+        gap_freed_older_outputs: ``(p, bytes)`` of the own outputs of each earlier block ``p`` that the code after
+            this block frees before the next block starts (``h = a(x); h = b(h * 2 + 1)`` frees ``a``'s output
+            after ``b``), by allocation lifetimes; not an input of a block up to this one, nor outputs that
+            ``dropped_output_frees`` books (NOTE [ Unlinked inputs made in the gap ] in ``remat.plan.chain``).
         bwd_own_peak_bytes: The part of ``bwd_peak_bytes`` from its own backward's start to its end, above
             that level and what the code after the block left (``max(0, gap_bytes)``, which the chain model
             holds there), bytes; ``None`` in profiles written before the field existed (NOTE [ The gap's
@@ -230,6 +238,9 @@ class BlockProfile:
             or held to the end of the step, never by its backward, so recomputing it saves nothing the
             chain model can count: the planner keeps it (plans recomputing such blocks measured 1.10-1.84x
             their budget, helper-45).
+        output_grad: Whether any tensor it returned requires a gradient (``False``: a frozen block taking no
+            gradient, whose checkpoint holds nothing: NOTE [ Blocks whose outputs need no gradient ] in
+            ``remat.core.probe``).
     """
 
     input_bytes: int
@@ -269,6 +280,7 @@ class BlockProfile:
     gap_freed_output_bytes: int = 0
     gap_freed_unlinked_bytes: int = 0
     backward: bool = True
+    output_grad: bool = True
     held_input_bwd_bytes: int = 0
     gap_peak_bytes: int = 0
     dropped_output_frees: tuple[tuple[int, int], ...] = ()
@@ -277,6 +289,8 @@ class BlockProfile:
     dead_head_late_bytes: int = 0
     bwd_own_peak_bytes: int | None = None
     bwd_code_peak_bytes: int | None = None
+    unlinked_made_bytes: int = 0
+    gap_freed_older_outputs: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.own_output_bytes < 0:  # profiles written before the field existed
