@@ -314,6 +314,12 @@ class Chain:
     # before its peak, which does not happen either where the branch never existed: there it takes off
     # ``late`` only, what the head frees after its peak (BlockProfile.dead_head_late_bytes).
     dead_branches: tuple[tuple[int, int, int, int], ...] = ()
+    # ``(block, after, bytes)`` of each output the model's code drops that chain_of frees right after its block
+    # (_dropped, BlockProfile.dropped_output_frees), which fwd_peak_bytes and replay_fwd_peak_bytes charge to
+    # the forwards of blocks ``block+1..after``: alive there in the step's forward whatever the plan (a
+    # recomputed block returns it too), in a replay only where ``block`` ran in that replay before them
+    # (NOTE [ Dropped outputs in a replay ] in remat.plan.solver; default none: charged always).
+    dropped_outputs: tuple[tuple[int, int, int], ...] = ()
     # Per block, the part of its own output (x_bytes[k + 1]) that no later block takes and the model's code
     # drops in the forward, which the block saves when kept (HF's attention weights): gone when a segment
     # ending with it replays (NOTE [ Side outputs of a segment's last block ]; default 0).
@@ -394,7 +400,8 @@ class Chain:
             f.name: len(v)
             for f in fields(self)
             if f.init
-            and f.name not in ("late_inputs", "code_held_inputs", "dead_branches", "older_output_frees")
+            and f.name
+            not in ("late_inputs", "code_held_inputs", "dead_branches", "older_output_frees", "dropped_outputs")
             and isinstance(v := getattr(self, f.name), tuple)
         }
         if len(set(sizes.values())) != 1 or next(iter(sizes.values())) < 1:
@@ -1048,13 +1055,18 @@ def _released(profile: Profile, joinable: tuple[bool, ...], dropped_in: list[int
         return (0,) * len(bps)
     out, unsaved = [], 0
     for i, (b, o) in enumerate(zip(bps, ops, strict=True)):
-        unsaved = (unsaved if i and joinable[i - 1] else 0) + max(0, b.input_bytes - o.input_saved_bytes)
+        # Less its inputs the plain step keeps into the backward: the gap frees none of them (NOTE [ Unsaved
+        # inputs alive into the backward ] in remat.profile.profiler).
+        own = max(0, b.input_bytes - o.input_saved_bytes - b.code_kept_input_bytes)
+        unsaved = (unsaved if i and joinable[i - 1] else 0) + own
         # Not an earlier block's dropped output (_dropped): the chain frees it right after that block.
         out.append(max(0, -(b.gap_bytes + (dropped_in[i] if dropped_in else 0)) - unsaved))
     return tuple(out)
 
 
-def _dropped(bps: tuple[BlockProfile, ...], dead: bool = False) -> tuple[list[int], list[int], list[int], list[int]]:
+def _dropped(
+    bps: tuple[BlockProfile, ...], dead: bool = False, credits: list[tuple[int, int, int]] | None = None
+) -> tuple[list[int], list[int], list[int], list[int]]:
     """``(out, in, fp, bp)`` for the outputs the model's code drops in the forward
     (``BlockProfile.dropped_output_frees``: HF's attention weights, alive until the next layer's call rebinds
     ``outputs``). The chain frees them right after their block: per block, the bytes it no longer keeps or
@@ -1067,7 +1079,8 @@ def _dropped(bps: tuple[BlockProfile, ...], dead: bool = False) -> tuple[list[in
     BudgetInfeasibleError stated a smallest feasible peak above what full() reached. ``dead``: the same for
     what the block saved for such an output (``BlockProfile.dead_saved_frees``; no output of its own, so not
     bounded by what it does not save of its outputs; a kept later block credited its free again, h72's
-    dead-output repro measured 1.15x its budget)."""
+    dead-output repro measured 1.15x its budget). ``credits``, if given, gets ``(block, after, bytes)`` of each
+    free it credits (``Chain.dropped_outputs``)."""
     n = len(bps)
     out, into, fp, bp = [0] * n, [0] * n, [0] * (n + 1), [0] * n
     for k, b in enumerate(bps):
@@ -1082,6 +1095,8 @@ def _dropped(bps: tuple[BlockProfile, ...], dead: bool = False) -> tuple[list[in
                 continue
             room -= nbytes
             out[k] += nbytes
+            if credits is not None:
+                credits.append((k, after, nbytes))
             if after < n - 1:
                 into[after] += nbytes  # freed in that gap: the chain freed it already
             for q in range(k + 1, after + 1):
@@ -1206,7 +1221,8 @@ def chain_of(profile: Profile) -> Chain:
     # Chain.startable), and what it leaves is the previous block's own output (NOTE [ In-place edits of a
     # member's output ] in remat.core.runtime).
     carries = [_passes_through(b) and b.edits_own_link for b in bps]
-    drop_out, drop_in, drop_fp, drop_bp = _dropped(bps)
+    dropped_outputs: list[tuple[int, int, int]] = []
+    drop_out, drop_in, drop_fp, drop_bp = _dropped(bps, credits=dropped_outputs)
     # What a block saved for a branch the model's code drops later (BlockProfile.dead_saved_frees): freed by the
     # chain right after the block as a dropped output is, but no output (x_bytes, out_free_bytes unchanged).
     dead_out, dead_in, dead_fp, dead_bp = _dropped(bps, dead=True)
@@ -1310,6 +1326,7 @@ def chain_of(profile: Profile) -> Chain:
         gap_freed_output_bytes=tuple(b.gap_freed_output_bytes for b in bps) + (0,),
         released_bytes=_released(profile, joinable, gap_in) + (0,),
         dead_branches=_dead_branches(bps),
+        dropped_outputs=tuple(dropped_outputs),
         # NOTE [ Pending gradients above the chain's level ] (_pending_grads).
         pending_grad_bytes=_pending_grads(bps, gap_in, drop_bp, dead_bp) + (0,),
         rng_copy_bytes=tuple(profile.ckpt_state_bytes if b.fresh_rng else 0 for b in bps) + (0,),

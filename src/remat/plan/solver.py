@@ -273,6 +273,9 @@ class _Simulator:
         # The blocks kept so far in the forward running now (the step's, or one replay's): the dead branches
         # of the others do not exist (Chain.dead_branches).
         self.kept_run: set[int] = set()
+        # The blocks run so far in the replay running now, kept or not (None: the step's forward runs): the
+        # outputs of the others that the model's code drops are not alive in it (Chain.dropped_outputs).
+        self.replay_run: set[int] | None = None
         self.extra_ms = 0.0
         # Late inputs (Chain.late_inputs) that an open checkpoint holds from its end: one tensor, charged
         # once, by the first (Chain.late_records); per checkpoint: the bytes it charged, and which.
@@ -378,6 +381,7 @@ class _Simulator:
                     - shared_rng
                     + fwd_peaks[q]
                     - self._absent_dead(q)
+                    - self._absent_dropped(q, op.start)
                     + (c.x_bytes[q] if q > op.start else 0)
                     + held
                 )
@@ -413,10 +417,14 @@ class _Simulator:
                 # Those an earlier segment made that the code freed inside this one: gone by its end.
                 for q in range(op.start, op.stop):
                     self._code_free(q)
+            if self.replay_run is not None:
+                self.replay_run.update(range(op.start, op.stop))
             return
         keep, fwd_peak, _ = self._block_sizes(op, replay, stops)
-        self._rise(fwd_peak - self._absent_dead(op.index))
+        self._rise(fwd_peak - self._absent_dead(op.index) - self._absent_dropped(op.index))
         self.kept_run.add(op.index)
+        if self.replay_run is not None:
+            self.replay_run.add(op.index)
         self.level += keep - discard - self._open_held(op)
         if not replay:
             self._code_free(op.index)
@@ -451,6 +459,29 @@ class _Simulator:
             (late if q == n else nbytes)
             for block, after, nbytes, late in self.chain.dead_branches
             if block < q and (q <= after or (q == n and after == n - 1)) and block not in self.kept_run
+        )
+
+    # NOTE [ Dropped outputs in a replay ]
+    # A block returning ``(hidden, scores)`` whose scores the model's code drops when the next call rebinds its
+    # name (x-transformers' attention intermediates, HF's attention weights) leaves them alive through the next
+    # block's forward: chain_of frees them from the level right after their block and charges them to the
+    # forward peaks of the blocks they outlive (``fwd_peak_bytes``, ``replay_fwd_peak_bytes``). In the step's
+    # forward that is right whatever the plan (a recomputed block returns them too). A replay runs the
+    # recorded blocks only: the scores exist there only where their block ran in the same replay before, so
+    # a one-block replay of layer k was charged layer k-1's scores that nothing made (full() over six
+    # attention layers at 1.09x its measured peak, x-transformers decoders 1.10-1.32x, and budgets its own
+    # plans met refused). The simulator takes them off there; the solvers' tables still charge them (on the
+    # safe side: a plan they choose is never predicted lower by the simulation than by them).
+    def _absent_dropped(self, q: int, start: int | None = None) -> int:
+        """The part of block ``q``'s forward peak owed to outputs of earlier blocks that the model's code drops
+        (``Chain.dropped_outputs``) where they do not exist: in a replay that did not run their block before
+        ``q`` (NOTE [ Dropped outputs in a replay ]); ``start``: the first block of the segment ``q`` runs in
+        now, whose earlier blocks in it ran no-save (their outputs alive), bytes."""
+        if self.replay_run is None:
+            return 0
+        ran = self.replay_run if start is None else self.replay_run | set(range(start, q))
+        return sum(
+            nbytes for block, after, nbytes in self.chain.dropped_outputs if block < q <= after and block not in ran
         )
 
     def _open_held(self, op: Op) -> int:
@@ -505,6 +536,7 @@ class _Simulator:
             gone = self.code_freed.pop(id(op), 0)  # taken off where the model's code freed it
             self.level += hold + pending - made + gone  # the replay runs when the backward reaches the last block
             outer_kept, self.kept_run = self.kept_run, set()  # a replay keeps its own blocks only
+            outer_run, self.replay_run = self.replay_run, set()
             for i, inner_op in enumerate(op.inner):
                 self.forward(inner_op, replay=True, discard=freed if i == last else 0, stops=i == last)
                 if i == 0:
@@ -517,6 +549,7 @@ class _Simulator:
                     op.inner[i], discard=freed if i == last else 0, replay=True, stops=i == last and not replay
                 )
             self.kept_run = outer_kept
+            self.replay_run = outer_run
             self.level -= hold + first - gap_gone
             self.level -= (
                 self.chain.segment_bytes(op.start, op.stop) - self.chain.late_held_bytes(op.start, op.stop) - made

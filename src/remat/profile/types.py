@@ -205,6 +205,9 @@ class BlockProfile:
             starting at this block holds it to its backward. Not what the code made right before the block
             and the plain step keeps into the backward, which the level holds anyway (NOTE [ Unsaved inputs
             alive into the backward ] in ``remat.profile.profiler``).
+        code_kept_input_bytes: The other part of its inputs made between blocks that its forward does not save:
+            those the plain step keeps into the backward (NOTE [ Unsaved inputs alive into the backward ] in
+            ``remat.profile.profiler``), which the gap after it therefore does not free (``Chain.released_bytes``).
         generator_state_bytes: Bytes of the states of the generators of its own that its forward draws
             from (``torch.bernoulli(p, generator=self.g)``): a segment keeps a copy per call of it, to
             draw the same numbers in the replay (found by the per-op profile: 0 with ``ops=False``).
@@ -267,6 +270,7 @@ class BlockProfile:
     side_output_frees: tuple[tuple[int, int], ...] = ()
     unlinked_bytes: int = 0
     unsaved_input_bytes: int = 0
+    code_kept_input_bytes: int = 0
     generator_state_bytes: int = 0
     linked: bool = True
     fresh_rng: bool = False
