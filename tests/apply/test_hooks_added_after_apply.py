@@ -15,35 +15,9 @@ import torch
 from torch import nn
 
 import remat
+from tests.apply.residual_net import ResidualNet, squared_loss
 
-
-class _MLP(nn.Module):
-    def __init__(self, d: int = 32) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(x)))
-
-
-class _Net(nn.Module):
-    def __init__(self, n: int = 6) -> None:
-        super().__init__()
-        self.inp, self.head = nn.Linear(8, 32), nn.Linear(32, 4)
-        self.layers = nn.ModuleList(_MLP() for _ in range(n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-def _loss(y: torch.Tensor) -> torch.Tensor:
-    return (y**2).mean()
-
-
-Hook = Callable[[_Net], Any]
+Hook = Callable[[ResidualNet], Any]
 # segments(3): R[0:2] R[2:4] R[4:6], where layers.2's output is layers.3's input (a link).
 _STRATEGY = remat.segments(3)
 _REPLACING: dict[str, Hook] = {
@@ -67,18 +41,18 @@ _KEEPING: dict[str, Hook] = {
 }
 
 
-def _setup(hook: Hook | None = None) -> tuple[_Net, torch.Tensor, remat.Plan]:
+def _setup(hook: Hook | None = None) -> tuple[ResidualNet, torch.Tensor, remat.Plan]:
     torch.manual_seed(0)
-    model, x = _Net(), torch.randn(512, 8)
+    model, x = ResidualNet(), torch.randn(512, 8)
     if hook is not None:
         hook(model)
-    prof = remat.profile(model, x, _loss, repeats=1, ops=False, progress=False)
+    prof = remat.profile(model, x, squared_loss, repeats=1, ops=False, progress=False)
     return model, x, remat.plan(prof, strategy=_STRATEGY)
 
 
 def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
-    _loss(model(x)).backward()
+    squared_loss(model(x)).backward()
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
@@ -90,7 +64,7 @@ def test_hooks_added_after_apply_are_refused_where_they_break_a_link_and_run_els
         remat.apply(planned, plan)
         add(planned)
         try:
-            peak = remat.measure(planned, x, _loss, steps=1, progress=False).peak_bytes
+            peak = remat.measure(planned, x, squared_loss, steps=1, progress=False).peak_bytes
         except remat.RematError as e:  # refused: the message says which module and why
             assert "after remat.apply" in str(e) and ("layers.2" in str(e) or "layers.3" in str(e)), (name, str(e))
             with pytest.raises(remat.RematError, match="register the hook before remat.profile"):
@@ -103,7 +77,7 @@ def test_hooks_added_after_apply_are_refused_where_they_break_a_link_and_run_els
         remat.apply(planned, plan)
         add(planned)
         assert all(torch.equal(a, b) for a, b in zip(_grads(planned, x), _grads(plain, x), strict=True)), name
-        peak = remat.measure(planned, x, _loss, steps=1, progress=False).peak_bytes
+        peak = remat.measure(planned, x, squared_loss, steps=1, progress=False).peak_bytes
         assert peak <= plan.predicted_peak_bytes * 1.05, (name, peak, plan.predicted_peak_bytes)
         hooks = [
             (k, h) for m in planned.modules() for d in (m._forward_hooks, m._forward_pre_hooks) for k, h in d.items()
@@ -120,6 +94,6 @@ def test_hooks_added_after_apply_are_refused_where_they_break_a_link_and_run_els
     plain = copy.deepcopy(model)
     remat.apply(model, plan)
     assert all(torch.equal(a, b) for a, b in zip(_grads(model, x), _grads(plain, x), strict=True))
-    peak = remat.measure(model, x, _loss, steps=1, progress=False).peak_bytes
+    peak = remat.measure(model, x, squared_loss, steps=1, progress=False).peak_bytes
     assert plan.predicted_peak_bytes is not None and peak <= plan.predicted_peak_bytes * 1.05
-    assert remat.timeline(model, x, _loss).runs("recompute")
+    assert remat.timeline(model, x, squared_loss).runs("recompute")

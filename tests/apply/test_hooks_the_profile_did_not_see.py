@@ -19,39 +19,14 @@ from torch import nn
 from torch.nn.modules import module as module_globals
 
 import remat
-
-
-class _MLP(nn.Module):
-    def __init__(self, d: int = 32) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(x)))
-
-
-class _Net(nn.Module):
-    def __init__(self, n: int = 6) -> None:
-        super().__init__()
-        self.inp, self.head = nn.Linear(8, 32), nn.Linear(32, 4)
-        self.layers = nn.ModuleList(_MLP() for _ in range(n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-def _loss(y: torch.Tensor) -> torch.Tensor:
-    return (y**2).mean()
+from tests.apply.residual_net import ResidualNet, squared_loss
 
 
 def _gated(out: torch.Tensor) -> torch.Tensor:
     return out * torch.sigmoid(out)  # saves the sigmoid, a new tensor, for the backward
 
 
-Add = Callable[[_Net], list[Any]]
+Add = Callable[[ResidualNet], list[Any]]
 
 
 def _on_layers(fn: Callable[[torch.Tensor], torch.Tensor]) -> Add:
@@ -66,7 +41,7 @@ def _on_fc2(fn: Callable[[torch.Tensor], torch.Tensor]) -> Add:  # sub-modules o
 
 
 def _global(fn: Callable[[torch.Tensor], torch.Tensor]) -> Add:
-    def add(m: _Net) -> list[Any]:
+    def add(m: ResidualNet) -> list[Any]:
         layers = {id(layer) for layer in m.layers}
 
         def hook(mod: nn.Module, _args: Any, out: torch.Tensor) -> Any:
@@ -77,23 +52,23 @@ def _global(fn: Callable[[torch.Tensor], torch.Tensor]) -> Add:
     return add
 
 
-def _plan(model: _Net, x: torch.Tensor, strategy: remat.Strategy) -> remat.Plan:
-    prof = remat.profile(model, x, _loss, repeats=1, ops=False, progress=False)
+def _plan(model: ResidualNet, x: torch.Tensor, strategy: remat.Strategy) -> remat.Plan:
+    prof = remat.profile(model, x, squared_loss, repeats=1, ops=False, progress=False)
     return remat.plan(prof, strategy=strategy)
 
 
 def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
-    _loss(model(x)).backward()
+    squared_loss(model(x)).backward()
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def _run(model: _Net, plain: _Net, x: torch.Tensor) -> tuple[int, list[str]]:
+def _run(model: ResidualNet, plain: ResidualNet, x: torch.Tensor) -> tuple[int, list[str]]:
     """Gradients bitwise equal to the plain model's with the same hooks; the measured peak and the warnings."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert all(torch.equal(a, b) for a, b in zip(_grads(model, x), _grads(plain, x), strict=True))
-        peak = remat.measure(model, x, _loss, steps=1, progress=False).peak_bytes
+        peak = remat.measure(model, x, squared_loss, steps=1, progress=False).peak_bytes
         model(x)
     return peak, [str(w.message) for w in caught if issubclass(w.category, remat.RematWarning)]
 
@@ -113,7 +88,7 @@ _KEPT_HALF = remat.selective([0, 2, 4])
 )
 def test_a_hook_saving_tensors_the_profile_did_not_see_warns_once(when: str, add: Add) -> None:
     torch.manual_seed(0)
-    model, x = _Net(), torch.randn(512, 8)
+    model, x = ResidualNet(), torch.randn(512, 8)
     plain = copy.deepcopy(model)
     plan = _plan(model, x, _KEPT_HALF)
     assert plan.predicted_peak_bytes is not None
@@ -134,7 +109,7 @@ def test_a_hook_saving_tensors_the_profile_did_not_see_warns_once(when: str, add
 
 def test_hooks_the_profile_saw_or_that_save_nothing_new_are_quiet_and_remove_puts_hooks_back() -> None:
     torch.manual_seed(0)
-    model, x = _Net(), torch.randn(512, 8)
+    model, x = ResidualNet(), torch.randn(512, 8)
     quiet: dict[str, Add] = {
         "none": lambda m: [],
         "logging, global": lambda m: [module_globals.register_module_forward_hook(lambda _m, _a, _o: None)],
@@ -183,7 +158,7 @@ def test_hooks_the_profile_saw_or_that_save_nothing_new_are_quiet_and_remove_put
 def test_a_hook_returning_another_tensor_at_a_link_is_refused_or_fits(when: str) -> None:
     # segments(3): R[0:2] R[2:4] R[4:6]: layers.2's output is layers.3's input inside one segment (a link).
     torch.manual_seed(0)
-    model, x = _Net(), torch.randn(512, 8)
+    model, x = ResidualNet(), torch.randn(512, 8)
     plan = _plan(model, x, remat.segments(3))
     assert plan.predicted_peak_bytes is not None
     target = model.layers[2]
@@ -199,7 +174,7 @@ def test_a_hook_returning_another_tensor_at_a_link_is_refused_or_fits(when: str)
         remat.apply(model, plan)
     try:
         try:
-            peak = remat.measure(model, x, _loss, steps=1, progress=False).peak_bytes
+            peak = remat.measure(model, x, squared_loss, steps=1, progress=False).peak_bytes
         except remat.RematError as e:  # refused in the forward, naming the module
             assert "'layers.2'" in str(e) and "register the hook before remat.profile" in str(e), str(e)
         else:  # or planned with it: the oracle is the prediction

@@ -15,35 +15,10 @@ import torch
 from torch import nn
 
 import remat
+from tests.apply.residual_net import ResidualNet, squared_loss
 
 
-class _MLP(nn.Module):
-    def __init__(self, d: int = 32) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(x)))
-
-
-class _Net(nn.Module):
-    def __init__(self, n: int = 6) -> None:
-        super().__init__()
-        self.inp, self.head = nn.Linear(8, 32), nn.Linear(32, 4)
-        self.layers = nn.ModuleList(_MLP() for _ in range(n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-def _loss(y: torch.Tensor) -> torch.Tensor:
-    return (y**2).mean()
-
-
-def _freeze_front(model: _Net) -> None:
+def _freeze_front(model: ResidualNet) -> None:
     """Freeze the input projection and the first half of the layers (a staged fine-tune)."""
     model.inp.requires_grad_(False)
     for layer in model.layers[:3]:
@@ -52,25 +27,25 @@ def _freeze_front(model: _Net) -> None:
 
 def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
-    _loss(model(x)).backward()
+    squared_loss(model(x)).backward()
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def _step(model: _Net, plain: _Net, x: torch.Tensor) -> tuple[int, list[str]]:
+def _step(model: ResidualNet, plain: ResidualNet, x: torch.Tensor) -> tuple[int, list[str]]:
     """Gradients bitwise equal to the plain model's in the same state; the measured peak and the warnings."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert all(torch.equal(a, b) for a, b in zip(_grads(model, x), _grads(plain, x), strict=True))
-        peak = remat.measure(model, x, _loss, steps=1, progress=False).peak_bytes
+        peak = remat.measure(model, x, squared_loss, steps=1, progress=False).peak_bytes
         model(x)
     return peak, [str(w.message) for w in caught if issubclass(w.category, remat.RematWarning)]
 
 
-def _frozen_plan() -> tuple[_Net, torch.Tensor, remat.Plan]:
+def _frozen_plan() -> tuple[ResidualNet, torch.Tensor, remat.Plan]:
     torch.manual_seed(0)
-    model, x = _Net(), torch.randn(512, 8)
+    model, x = ResidualNet(), torch.randn(512, 8)
     _freeze_front(model)
-    prof = remat.profile(model, x, _loss, repeats=1, ops=False, progress=False)
+    prof = remat.profile(model, x, squared_loss, repeats=1, ops=False, progress=False)
     return model, x, remat.plan(prof, strategy=remat.selective([0, 2, 4]))
 
 
@@ -97,7 +72,7 @@ def test_unfreezing_after_planning_warns_once(unfreeze: str) -> None:
     # Applied again (a new plan applied): the check is back, and a plan of the unfrozen model is quiet.
     remat.apply(planned, plan)
     assert len(_step(planned, plain, x)[1]) == 1
-    prof = remat.profile(planned, x, _loss, repeats=1, ops=False, progress=False)
+    prof = remat.profile(planned, x, squared_loss, repeats=1, ops=False, progress=False)
     remat.apply(planned, remat.plan(prof, strategy=remat.selective([0, 2, 4])))
     assert _step(planned, plain, x)[1] == []
 

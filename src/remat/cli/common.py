@@ -223,6 +223,21 @@ def check_budgets(texts: Sequence[str]) -> list[Budget]:
     return [parse_budget(t) for t in texts]
 
 
+def one_budget(texts: Sequence[str], what: str) -> str:
+    """The one ``--budget`` of a command made for one (``what``: "a plan", "a report"), every one checked first.
+
+    Raises:
+        RematError: For a budget that does not parse, or for more than one.
+    """
+    check_budgets(texts)
+    if len(texts) > 1:
+        raise RematError(
+            f"--budget given {len(texts)} times ({', '.join(map(repr, texts))}); {what} is for one budget: give "
+            "one --budget, or compare several with remat bench --budget A --budget B"
+        )
+    return texts[0]
+
+
 def parse_strategies(texts: Sequence[str]) -> list[Strategy]:
     """Every ``--strategy`` parsed and validated, with a close match for a misspelt name.
 

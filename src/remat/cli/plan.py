@@ -13,7 +13,6 @@ from remat.cli.common import (
     add_model_args,
     add_split_arg,
     block_options,
-    check_budgets,
     check_model,
     check_out_file,
     console,
@@ -22,6 +21,7 @@ from remat.cli.common import (
     loop_of,
     loop_options,
     note_high_budgets,
+    one_budget,
     read_profile,
     write_file,
 )
@@ -62,13 +62,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 def check(args: argparse.Namespace) -> None:
     """Every mistake that can be seen without building the model, caught before anything is measured."""
-    check_budgets(args.budget)
-    if len(args.budget) > 1:
-        raise RematError(
-            f"--budget given {len(args.budget)} times ({', '.join(map(repr, args.budget))}); a plan is for one "
-            "budget: give one --budget, or compare several with remat bench --budget A --budget B"
-        )
-    args.budget = args.budget[0]  # one, from here on
+    args.budget = one_budget(args.budget, "a plan")  # one, from here on
     check_out_file("--out", args.out)
     if args.profile is None:
         check_model(args.model or DEFAULT_MODEL, args.sizes)

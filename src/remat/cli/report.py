@@ -15,7 +15,6 @@ from remat.cli.common import (
     add_model_args,
     add_split_arg,
     block_options,
-    check_budgets,
     check_model,
     check_positive,
     console,
@@ -24,6 +23,7 @@ from remat.cli.common import (
     loop_of,
     loop_options,
     note_high_budgets,
+    one_budget,
 )
 from remat.errors import RematError
 from remat.profile import profile as run_profile
@@ -82,13 +82,7 @@ def check(args: argparse.Namespace) -> None:
     """Every mistake that can be seen without building the model, caught before anything is measured."""
     if args.source is None:
         check_positive("--rounds", args.rounds)
-        check_budgets(args.budget)
-        if len(args.budget) > 1:
-            raise RematError(
-                f"--budget given {len(args.budget)} times ({', '.join(map(repr, args.budget))}); a report is for "
-                "one budget: give one --budget, or compare several with remat bench --budget A --budget B"
-            )
-        args.budget = args.budget[0]  # one, from here on
+        args.budget = one_budget(args.budget, "a report")  # one, from here on
         check_model(args.model, args.sizes)
     from remat.report.plots import _require_matplotlib
 
