@@ -2636,7 +2636,8 @@ def _check_tree(name: str, named: list[tuple[str, nn.Module]], now: _Tree) -> No
             f"apply: the sub-module {sub_name!r} ({type(m).__name__}) of module {name!r} was replaced or removed "
             "after the module's call, before the backward, so its recomputation would run another module than "
             "the forward did; replace or remove sub-modules after the backward (or keep both and choose with a "
-            "flag attribute), or keep this block (a plan that does not recompute it)"
+            "flag attribute), or keep this block (a plan that does not recompute it); where the module's own "
+            "forward replaces it on its first call (a sub-module built lazily), call the model once before remat.apply"
         )
 
 
