@@ -181,3 +181,29 @@ def test_a_hook_returning_another_tensor_at_a_link_is_refused_or_fits(when: str)
             assert peak <= plan.predicted_peak_bytes * 1.05, (when, peak, plan.predicted_peak_bytes)
     finally:
         handle.remove()
+
+
+def test_a_global_hook_two_planned_models_ran_is_checked_for_the_other_once_one_is_removed() -> None:
+    # The first model to run after the hook was registered wraps it for itself; the second skips it as wrapped.
+    # Removing the first puts the hook back: the second must then wrap and count it (it went unchecked before).
+    x = torch.randn(16, 8)
+    torch.manual_seed(0)
+    first = ResidualNet()
+    second = copy.deepcopy(first)
+    for model in (first, second):
+        remat.apply(model, _plan(model, x, _KEPT_HALF))
+    layers = {id(layer) for model in (first, second) for layer in model.layers}
+    handle = module_globals.register_module_forward_hook(
+        lambda mod, _args, out: _gated(out) if id(mod) in layers else None
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", remat.RematWarning)
+            for model in (first, second):
+                _grads(model, x)
+        remat.remove(first)
+        with pytest.warns(remat.RematWarning, match="registered after the plan's profile"):
+            _grads(second, x)
+    finally:
+        handle.remove()
+        remat.remove(second)

@@ -4293,7 +4293,7 @@ def _watch_hooks(model: nn.Module, _args: Any) -> None:
                     hook_dict[key] = _CheckedHook(hook_dict[key], role.name, pre)
         known.intersection_update({*pre_hooks, *hooks})  # forget removed hooks
     watch = entry.hooks
-    if watch is not None and not watch.warned and RemovableHandle.next_id != watch.seen:
+    if watch is not None and not watch.warned and (RemovableHandle.next_id, HookWatch.unwrapped) != watch.seen:
         watch.wrap_new(model)  # NOTE [ Hooks the profile did not see ]: only when a hook was registered anywhere
 
 
@@ -4305,11 +4305,15 @@ def _unwatch_hooks(modules: Iterable[nn.Module], watch: HookWatch | None = None)
         dicts += [module_globals._global_forward_pre_hooks, module_globals._global_forward_hooks]
     for hook_dict in dicts:
         for key, hook in list(hook_dict.items()):
+            was = hook
             while isinstance(hook, (_CheckedHook, _SavesChecked)) and (
                 not isinstance(hook, _SavesChecked) or hook.watch is watch
             ):
                 hook = hook.__wrapped__
             hook_dict[key] = hook
+            if hook is not was and isinstance(was, _SavesChecked) and was.is_global:
+                # Another applied plan skipped this global hook as wrapped already: it walks again.
+                HookWatch.unwrapped += 1
 
 
 # NOTE [ Hooks the profile did not see ]
@@ -4348,14 +4352,17 @@ class HookWatch:
     strategy: str
     limit_bytes: int  # bytes of new saved tensors per step that warn: 1/_SLACK of the budget
     budget: str  # for the message: "its budget 1.2MiB"
-    seen: int = -1  # RemovableHandle.next_id at the last walk
+    seen: tuple[int, int] = (-1, -1)  # (RemovableHandle.next_id, HookWatch.unwrapped) at the last walk
     saved_bytes: int = 0  # what the new hooks saved, on their first call per module
     names: dict[int, str] = field(default_factory=dict)  # id(module) -> FQN, at the last walk
     warned: bool = False
+    # Global hooks put back by a plan's removal so far: a global hook one applied plan wrapped, every other one
+    # skipped; when that plan is removed, the others walk again and wrap it for themselves.
+    unwrapped: ClassVar[int] = 0
 
     def wrap_new(self, model: nn.Module) -> None:
         """Wrap every forward (pre-)hook of ``model``'s modules and the global ones registered since the profile."""
-        self.seen = RemovableHandle.next_id
+        self.seen = (RemovableHandle.next_id, HookWatch.unwrapped)
         self.names = {}
         for name, module in model.named_modules():
             self.names[id(module)] = name
